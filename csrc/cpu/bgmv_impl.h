@@ -1,0 +1,297 @@
+// Kernel templates for the LoRA products
+//   out[t, n] = scale * sum_k x[t, k] * w[a, n, k]  (+ out[t, n])
+// parameterised by a vector policy V (one per ISA: vec_avx512.h, vec_avx2.h,
+// vec_scalar.h) and the element types of x, w and out.
+//
+// Include inside the ISA's own namespace, after its vector policy, in a TU
+// compiled for that ISA (kernels_<isa>.cpp): each ISA gets its own copy of
+// every template, so nothing compiled for one ISA is shared with another.
+//
+// Arithmetic: products of the operands as given, fp32 accumulation, one
+// rounding to the output type. One exception, as in vLLM's torch ops (which
+// cast inputs to the output dtype): with bf16 weights and bf16 output, fp32
+// inputs are rounded to bf16 so AVX512-BF16 / AMX pair products can be used.
+#pragma once
+
+template <class T>
+struct TypeOf;
+template <>
+struct TypeOf<float> {
+  static constexpr DType kValue = DType::kFloat;
+};
+template <>
+struct TypeOf<c10::BFloat16> {
+  static constexpr DType kValue = DType::kBFloat16;
+};
+template <>
+struct TypeOf<c10::Half> {
+  static constexpr DType kValue = DType::kHalf;
+};
+
+template <class Fn>
+void WithType(DType dtype, Fn&& fn) {
+  switch (dtype) {
+    case DType::kFloat:
+      fn(float{});
+      break;
+    case DType::kBFloat16:
+      fn(c10::BFloat16{});
+      break;
+    case DType::kHalf:
+      fn(c10::Half{});
+      break;
+  }
+}
+
+// Calls fn(TX{}, TW{}, TO{}) with the element types of `args`.
+template <class Fn>
+void WithTypes(const LoraArgs& args, Fn&& fn) {
+  WithType(args.x_dtype, [&](auto tx) {
+    WithType(args.w_dtype, [&](auto tw) {
+      WithType(args.out_dtype, [&](auto to) { fn(tx, tw, to); });
+    });
+  });
+}
+
+// Rounds v to bf16 and returns its bits (c10 rounding: nearest even).
+template <class T>
+inline uint16_t Bf16Bits(T v) {
+  const c10::BFloat16 b(static_cast<float>(v));
+  return b.x;
+}
+
+template <class V, class TX, class TW, class TO>
+struct LoraKernel {
+  using F = typename V::F;
+  static constexpr int kL = V::kLanes;
+  static constexpr int kTM = V::kTileM;  // Tokens per register tile.
+  static constexpr int kTN = V::kTileN;  // Weight rows per dot tile.
+  static constexpr int kNV = 4;          // Vectors per pack tile row.
+  static constexpr int kNT = kNV * kL;   // Output columns per pack tile.
+
+  // bf16 pair products (vdpbf16ps) instead of fp32 FMAs.
+  static constexpr bool kPairs =
+      V::kBf16Dot && std::is_same_v<TW, c10::BFloat16> &&
+      (std::is_same_v<TX, c10::BFloat16> ||
+       (std::is_same_v<TX, float> && std::is_same_v<TO, c10::BFloat16>));
+
+  static void StoreScalar(const LoraArgs& a, TO* o, float v) {
+    v *= a.scale;
+    if (a.add) v += static_cast<float>(*o);
+    *o = static_cast<TO>(v);
+  }
+
+  // ---------------------------------------------------------------- dot --
+  // res[i][j] = sum_k xr[i][k] * wr[j][k].
+  template <int MT, int NR>
+  static void DotTile(const TX* const* xr, const TW* const* wr, int64_t k,
+                      float (&res)[MT][NR]) {
+    F acc[MT][NR];
+    for (int i = 0; i < MT; ++i)
+      for (int j = 0; j < NR; ++j) acc[i][j] = V::Zero();
+    int64_t kk = 0;
+    if constexpr (kPairs) {
+      constexpr int kS = V::kPairLanes;
+      for (; kk + kS <= k; kk += kS) {
+        typename V::BH xv[MT];
+        for (int i = 0; i < MT; ++i) xv[i] = V::LoadPairs(xr[i] + kk);
+        for (int j = 0; j < NR; ++j) {
+          const typename V::BH wv = V::LoadPairs(wr[j] + kk);
+          for (int i = 0; i < MT; ++i) acc[i][j] = V::Dot(acc[i][j], xv[i], wv);
+        }
+      }
+      if (kk < k) {
+        const int n = static_cast<int>(k - kk);
+        typename V::BH xv[MT];
+        for (int i = 0; i < MT; ++i) xv[i] = V::LoadPairsPartial(xr[i] + kk, n);
+        for (int j = 0; j < NR; ++j) {
+          const typename V::BH wv = V::LoadPairsPartial(wr[j] + kk, n);
+          for (int i = 0; i < MT; ++i) acc[i][j] = V::Dot(acc[i][j], xv[i], wv);
+        }
+      }
+    } else {
+      for (; kk + kL <= k; kk += kL) {
+        F xv[MT];
+        for (int i = 0; i < MT; ++i) xv[i] = V::Load(xr[i] + kk);
+        for (int j = 0; j < NR; ++j) {
+          const F wv = V::Load(wr[j] + kk);
+          for (int i = 0; i < MT; ++i) acc[i][j] = V::Fma(xv[i], wv, acc[i][j]);
+        }
+      }
+      if (kk < k) {
+        const int n = static_cast<int>(k - kk);
+        F xv[MT];
+        for (int i = 0; i < MT; ++i) xv[i] = V::LoadPartial(xr[i] + kk, n);
+        for (int j = 0; j < NR; ++j) {
+          const F wv = V::LoadPartial(wr[j] + kk, n);
+          for (int i = 0; i < MT; ++i) acc[i][j] = V::Fma(xv[i], wv, acc[i][j]);
+        }
+      }
+    }
+    for (int i = 0; i < MT; ++i)
+      for (int j = 0; j < NR; ++j) res[i][j] = V::Reduce(acc[i][j]);
+  }
+
+  // Tokens tok[0..MT) against weight rows [n0, n1) of one adapter.
+  template <int MT, int NR>
+  static void DotBlock(const LoraArgs& a, const TW* wa, const int64_t* tok,
+                       int64_t n0, int64_t n1) {
+    const TX* x = static_cast<const TX*>(a.x);
+    TO* out = static_cast<TO*>(a.out);
+    const TX* xr[MT];
+    for (int i = 0; i < MT; ++i) xr[i] = x + tok[i] * a.x_row_stride;
+    for (int64_t n = n0; n < n1; n += NR) {
+      const int nr = static_cast<int>(std::min<int64_t>(NR, n1 - n));
+      // Rows past the end repeat the last valid one; their sums are dropped.
+      const TW* wr[NR];
+      for (int j = 0; j < NR; ++j)
+        wr[j] = wa + (n + std::min(j, nr - 1)) * a.w_row_stride;
+      float res[MT][NR];
+      DotTile<MT, NR>(xr, wr, a.k, res);
+      for (int i = 0; i < MT; ++i) {
+        TO* o = out + tok[i] * a.out_row_stride + n;
+        for (int j = 0; j < nr; ++j) StoreScalar(a, o + j, res[i][j]);
+      }
+    }
+  }
+
+  static void RunDot(const LoraArgs& a, const WorkItem* items, int64_t begin,
+                     int64_t end) {
+    const TW* w = static_cast<const TW*>(a.w);
+    for (int64_t it = begin; it < end; ++it) {
+      const WorkItem& item = items[it];
+      const Group& g = a.groups[item.group];
+      const int64_t* tok = a.tokens + g.token_begin;
+      const TW* wa = w + g.adapter * a.w_adapter_stride;
+      int64_t m = item.m0;
+      for (; m + kTM <= item.m1; m += kTM)
+        DotBlock<kTM, kTN>(a, wa, tok + m, item.n0, item.n1);
+      for (; m < item.m1; ++m)
+        DotBlock<1, 2 * kTN>(a, wa, tok + m, item.n0, item.n1);
+    }
+  }
+
+  // --------------------------------------------------------------- pack --
+  // Packed weights: per k-row (or bf16 pair of k-rows) kNT output columns.
+  using PackT = std::conditional_t<kPairs, uint32_t, float>;
+  static constexpr int64_t kPackRows = kPairs ? kMaxPackK / 2 : kMaxPackK;
+
+  // P[j * kNT + c] = w[c][j] for c < nc (bf16 pairs: w[c][2j], w[c][2j+1]),
+  // zero for c >= nc.
+  static void Pack(const TW* w, int64_t row_stride, int64_t k, int nc,
+                   PackT* P) {
+    const int64_t rows = kPairs ? (k + 1) / 2 : k;
+    int c0 = 0;
+    if constexpr (V::kGather) {
+      c0 = V::template PackColumns<TW, kPairs>(w, row_stride, k, nc, kNT, P);
+    }
+    for (int c = c0; c < kNT; ++c) {
+      const TW* row = w + c * row_stride;
+      for (int64_t j = 0; j < rows; ++j) {
+        PackT v{};
+        if (c < nc) {
+          if constexpr (kPairs) {
+            const uint32_t lo = row[2 * j].x;
+            const uint32_t hi = 2 * j + 1 < k ? row[2 * j + 1].x : 0u;
+            v = lo | (hi << 16);
+          } else {
+            v = static_cast<float>(row[j]);
+          }
+        }
+        P[j * kNT + c] = v;
+      }
+    }
+  }
+
+  // out rows tok[0..MT), columns [n, n + nc) from the packed block.
+  template <int MT>
+  static void PackTile(const LoraArgs& a, const PackT* P, const int64_t* tok,
+                       int64_t n, int nc) {
+    const TX* x = static_cast<const TX*>(a.x);
+    TO* out = static_cast<TO*>(a.out);
+    const int64_t rows = kPairs ? (a.k + 1) / 2 : a.k;
+    F acc[MT][kNV];
+    for (int i = 0; i < MT; ++i)
+      for (int v = 0; v < kNV; ++v) acc[i][v] = V::Zero();
+    const TX* xr[MT];
+    for (int i = 0; i < MT; ++i) xr[i] = x + tok[i] * a.x_row_stride;
+    for (int64_t j = 0; j < rows; ++j) {
+      const PackT* pj = P + j * kNT;
+      if constexpr (kPairs) {
+        typename V::BH wv[kNV];
+        for (int v = 0; v < kNV; ++v) wv[v] = V::LoadPacked(pj + v * kL);
+        for (int i = 0; i < MT; ++i) {
+          const uint32_t lo = Bf16Bits(xr[i][2 * j]);
+          const uint32_t hi = 2 * j + 1 < a.k ? Bf16Bits(xr[i][2 * j + 1]) : 0u;
+          const typename V::BH xb = V::BroadcastPair(lo | (hi << 16));
+          for (int v = 0; v < kNV; ++v) acc[i][v] = V::Dot(acc[i][v], xb, wv[v]);
+        }
+      } else {
+        F wv[kNV];
+        for (int v = 0; v < kNV; ++v) wv[v] = V::Load(pj + v * kL);
+        for (int i = 0; i < MT; ++i) {
+          const F xb = V::Set1(static_cast<float>(xr[i][j]));
+          for (int v = 0; v < kNV; ++v) acc[i][v] = V::Fma(xb, wv[v], acc[i][v]);
+        }
+      }
+    }
+    const F scale = V::Set1(a.scale);
+    for (int i = 0; i < MT; ++i) {
+      TO* o = out + tok[i] * a.out_row_stride + n;
+      for (int v = 0; v < kNV; ++v) {
+        const int cols = nc - v * kL;
+        if (cols <= 0) break;
+        F r = V::Mul(acc[i][v], scale);
+        if (cols >= kL) {
+          if (a.add) r = V::Add(r, V::Load(o + v * kL));
+          V::Store(o + v * kL, r);
+        } else {
+          if (a.add) r = V::Add(r, V::LoadPartial(o + v * kL, cols));
+          V::StorePartial(o + v * kL, r, cols);
+        }
+      }
+    }
+  }
+
+  static void RunPack(const LoraArgs& a, const WorkItem* items, int64_t begin,
+                      int64_t end) {
+    alignas(64) PackT P[kPackRows * kNT];
+    const TW* w = static_cast<const TW*>(a.w);
+    for (int64_t it = begin; it < end; ++it) {
+      const WorkItem& item = items[it];
+      const Group& g = a.groups[item.group];
+      const int64_t* tok = a.tokens + g.token_begin;
+      const TW* wa = w + g.adapter * a.w_adapter_stride;
+      for (int64_t n = item.n0; n < item.n1; n += kNT) {
+        const int nc = static_cast<int>(std::min<int64_t>(kNT, item.n1 - n));
+        Pack(wa + n * a.w_row_stride, a.w_row_stride, a.k, nc, P);
+        int64_t m = item.m0;
+        for (; m + kTM <= item.m1; m += kTM) PackTile<kTM>(a, P, tok + m, n, nc);
+        for (; m < item.m1; ++m) PackTile<1>(a, P, tok + m, n, nc);
+      }
+    }
+  }
+};
+
+template <class V>
+void RunDot(const LoraArgs& a, const WorkItem* items, int64_t begin,
+            int64_t end) {
+  WithTypes(a, [&](auto tx, auto tw, auto to) {
+    LoraKernel<V, decltype(tx), decltype(tw), decltype(to)>::RunDot(a, items,
+                                                                    begin, end);
+  });
+}
+
+template <class V>
+void RunPack(const LoraArgs& a, const WorkItem* items, int64_t begin,
+             int64_t end) {
+  WithTypes(a, [&](auto tx, auto tw, auto to) {
+    LoraKernel<V, decltype(tx), decltype(tw), decltype(to)>::RunPack(
+        a, items, begin, end);
+  });
+}
+
+template <class V>
+IsaKernels MakeKernels() {
+  return IsaKernels{&RunDot<V>, &RunPack<V>, V::kTileM};
+}

@@ -1,0 +1,92 @@
+// AVX2 + FMA + F16C vector policy for bgmv_impl.h: 8 fp32 lanes. Tails of
+// 16-bit types go through a small zero-padded stack buffer, so no byte past
+// the n-th element is read or written. Include only from kernels_avx2.cpp.
+#pragma once
+
+struct VecAvx2 {
+  static constexpr int kLanes = 8;
+  static constexpr bool kBf16Dot = false;
+  static constexpr int kTileM = 2;
+  static constexpr int kTileN = 4;
+  static constexpr bool kGather = false;
+  using F = __m256;
+
+  static __m256i Mask(int n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n),
+                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  }
+
+  static F Zero() { return _mm256_setzero_ps(); }
+  static F Set1(float v) { return _mm256_set1_ps(v); }
+  static F Fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F Add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F Mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static float Reduce(F v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+
+  static F Widen(__m128i h, c10::BFloat16) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  static F Widen(__m128i h, c10::Half) { return _mm256_cvtph_ps(h); }
+
+  template <class T>
+  static F Load(const T* p) {
+    if constexpr (std::is_same_v<T, float>) {
+      return _mm256_loadu_ps(p);
+    } else {
+      return Widen(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), T{});
+    }
+  }
+
+  template <class T>
+  static F LoadPartial(const T* p, int n) {
+    if constexpr (std::is_same_v<T, float>) {
+      return _mm256_maskload_ps(p, Mask(n));
+    } else {
+      alignas(16) T buf[kLanes] = {};
+      std::memcpy(buf, p, n * sizeof(T));
+      return Widen(_mm_load_si128(reinterpret_cast<const __m128i*>(buf)), T{});
+    }
+  }
+
+  // Same rounding as c10::BFloat16(float): nearest even, NaN kept quiet.
+  static __m128i Narrow(F v, c10::BFloat16) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb =
+        _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(
+        _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))),
+        16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+    return _mm_packus_epi32(_mm256_castsi256_si128(r),
+                            _mm256_extracti128_si256(r, 1));
+  }
+  static __m128i Narrow(F v, c10::Half) {
+    return _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  }
+
+  template <class T>
+  static void Store(T* p, F v) {
+    if constexpr (std::is_same_v<T, float>) {
+      _mm256_storeu_ps(p, v);
+    } else {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(p), Narrow(v, T{}));
+    }
+  }
+
+  template <class T>
+  static void StorePartial(T* p, F v, int n) {
+    if constexpr (std::is_same_v<T, float>) {
+      _mm256_maskstore_ps(p, Mask(n), v);
+    } else {
+      alignas(16) T buf[kLanes];
+      _mm_store_si128(reinterpret_cast<__m128i*>(buf), Narrow(v, T{}));
+      std::memcpy(p, buf, n * sizeof(T));
+    }
+  }
+};

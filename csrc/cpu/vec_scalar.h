@@ -1,0 +1,35 @@
+// Portable "vector" policy for bgmv_impl.h: one fp32 lane, plain C++, c10's
+// conversions. Runs on any CPU; the compiler may still auto-vectorise.
+#pragma once
+
+struct VecScalar {
+  static constexpr int kLanes = 1;
+  static constexpr bool kBf16Dot = false;
+  static constexpr int kTileM = 2;
+  static constexpr int kTileN = 2;
+  static constexpr bool kGather = false;
+  using F = float;
+
+  static F Zero() { return 0.0f; }
+  static F Set1(float v) { return v; }
+  static F Fma(F a, F b, F c) { return a * b + c; }
+  static F Add(F a, F b) { return a + b; }
+  static F Mul(F a, F b) { return a * b; }
+  static float Reduce(F v) { return v; }
+
+  template <class T>
+  static F Load(const T* p) {
+    return static_cast<float>(*p);
+  }
+  // kLanes == 1: a partial load or store has n == 0.
+  template <class T>
+  static F LoadPartial(const T*, int) {
+    return 0.0f;
+  }
+  template <class T>
+  static void Store(T* p, F v) {
+    *p = static_cast<T>(v);
+  }
+  template <class T>
+  static void StorePartial(T*, F, int) {}
+};

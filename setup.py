@@ -1,0 +1,46 @@
+"""Builds vllm_cpu_lora._C against the torch that is installed.
+
+Install with `pip install --no-build-isolation .` so the extension is compiled
+against the same torch it will run with (the C++ ABI is not stable across torch
+releases).
+"""
+
+import glob
+import os
+
+from setuptools import setup
+from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+_FLAGS = [
+    "-O3",
+    "-std=c++17",
+    "-Wall",
+    # GCC 12 false positives inside its own AVX-512 intrinsic headers.
+    "-Wno-maybe-uninitialized",
+]
+if os.environ.get("VLLM_CPU_LORA_SANITIZE"):
+    # ASan + UBSan build for the hardening tests (see scripts/sanitize.sh).
+    _FLAGS = [
+        "-O1",
+        "-g",
+        "-std=c++17",
+        "-fsanitize=address,undefined",
+        "-fno-omit-frame-pointer",
+        "-fno-sanitize-recover=undefined",
+    ]
+
+setup(
+    ext_modules=[
+        CppExtension(
+            "vllm_cpu_lora._C",
+            sorted(glob.glob("csrc/cpu/*.cpp")),
+            extra_compile_args=_FLAGS,
+            extra_link_args=(
+                ["-fsanitize=address,undefined"]
+                if os.environ.get("VLLM_CPU_LORA_SANITIZE")
+                else []
+            ),
+        )
+    ],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+)

@@ -1,0 +1,24 @@
+"""Fast multi-LoRA kernels for vLLM on CPUs.
+
+`vllm_cpu_lora.ops` holds drop-ins for `vllm.lora.ops.torch_ops` (CPU tensors
+run the C++ kernels of `torch.ops.vllm_cpu_lora`, others the pure-torch
+`vllm_cpu_lora.reference`).
+"""
+
+import torch
+
+from vllm_cpu_lora import _C  # noqa: F401  (registers torch.ops.vllm_cpu_lora)
+from vllm_cpu_lora import ops, reference
+
+__all__ = ["isa", "ops", "reference", "supported_isas"]
+
+
+def isa() -> str:
+    """The ISA path the C++ ops use now: the best this CPU supports, or the
+    one `VLLM_CPU_LORA_ISA` forces (an error if the CPU lacks it)."""
+    return torch.ops.vllm_cpu_lora.isa()
+
+
+def supported_isas() -> list[str]:
+    """Every ISA path this CPU can run, best first."""
+    return list(torch.ops.vllm_cpu_lora.supported_isas())

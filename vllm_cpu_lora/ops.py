@@ -1,0 +1,207 @@
+"""Drop-ins for `vllm.lora.ops.torch_ops` (same names, arguments, defaults).
+
+CPU tensors go to the C++ kernels (`torch.ops.vllm_cpu_lora.*`); tensors on
+any other device go to `vllm_cpu_lora.reference`, vLLM's pure-torch algorithm
+(the path for CUDA GPUs below compute capability 8.0).
+"""
+
+import torch
+
+from vllm_cpu_lora import reference
+
+__all__ = reference.__all__
+
+_ops = torch.ops.vllm_cpu_lora
+
+
+def _on_cpu(tensor: torch.Tensor) -> bool:
+    return tensor.device.type == "cpu"
+
+
+def bgmv_shrink(
+    inputs: torch.Tensor,
+    lora_a_weights: torch.Tensor,
+    output_tensor: torch.Tensor,
+    lora_indices_tensor: torch.Tensor,
+    scaling: float = 1.0,
+) -> None:
+    impl = _ops.bgmv_shrink if _on_cpu(inputs) else reference.bgmv_shrink
+    impl(inputs, lora_a_weights, output_tensor, lora_indices_tensor, scaling)
+
+
+def bgmv_expand(
+    inputs: torch.Tensor,
+    lora_b_weights: torch.Tensor,
+    output_tensor: torch.Tensor,
+    lora_indices_tensor: torch.Tensor,
+    add_inputs: bool = True,
+) -> None:
+    impl = _ops.bgmv_expand if _on_cpu(inputs) else reference.bgmv_expand
+    impl(inputs, lora_b_weights, output_tensor, lora_indices_tensor, add_inputs)
+
+
+def bgmv_expand_slice(
+    inputs: torch.Tensor,
+    lora_b_weights: torch.Tensor,
+    output_tensor: torch.Tensor,
+    lora_indices_tensor: torch.Tensor,
+    slice_offset: int,
+    slice_size: int,
+    add_inputs: bool = True,
+) -> None:
+    impl = (
+        _ops.bgmv_expand_slice
+        if _on_cpu(inputs)
+        else reference.bgmv_expand_slice
+    )
+    impl(
+        inputs,
+        lora_b_weights,
+        output_tensor,
+        lora_indices_tensor,
+        slice_offset,
+        slice_size,
+        add_inputs,
+    )
+
+
+def sgmv_shrink(
+    inputs: torch.Tensor,
+    lora_a_weights: torch.Tensor,
+    output_tensor: torch.Tensor,
+    b_seq_start_loc: torch.Tensor,
+    seq_len_tensor: torch.Tensor,
+    lora_indices_tensor: torch.Tensor,
+    batches: int,
+    max_seq_length: int,
+    token_nums: int,
+    scaling: float,
+) -> None:
+    impl = _ops.sgmv_shrink if _on_cpu(inputs) else reference.sgmv_shrink
+    impl(
+        inputs,
+        lora_a_weights,
+        output_tensor,
+        b_seq_start_loc,
+        seq_len_tensor,
+        lora_indices_tensor,
+        batches,
+        max_seq_length,
+        token_nums,
+        scaling,
+    )
+
+
+def sgmv_expand(
+    inputs: torch.Tensor,
+    lora_b_weights: torch.Tensor,
+    output_tensor: torch.Tensor,
+    b_seq_start_loc: torch.Tensor,
+    seq_len_tensor: torch.Tensor,
+    lora_indices_tensor: torch.Tensor,
+    batches: int,
+    max_seq_length: int,
+    token_nums: int,
+    add_inputs: bool = False,
+) -> None:
+    impl = _ops.sgmv_expand if _on_cpu(inputs) else reference.sgmv_expand
+    impl(
+        inputs,
+        lora_b_weights,
+        output_tensor,
+        b_seq_start_loc,
+        seq_len_tensor,
+        lora_indices_tensor,
+        batches,
+        max_seq_length,
+        token_nums,
+        add_inputs,
+    )
+
+
+def sgmv_expand_slice(
+    inputs: torch.Tensor,
+    lora_b_weights: torch.Tensor,
+    output_tensor: torch.Tensor,
+    b_seq_start_loc: torch.Tensor,
+    seq_len_tensor: torch.Tensor,
+    lora_indices_tensor: torch.Tensor,
+    batches: int,
+    max_seq_length: int,
+    token_nums: int,
+    slice_offset: int,
+    slice_size: int,
+    add_inputs: bool = False,
+) -> None:
+    impl = (
+        _ops.sgmv_expand_slice
+        if _on_cpu(inputs)
+        else reference.sgmv_expand_slice
+    )
+    impl(
+        inputs,
+        lora_b_weights,
+        output_tensor,
+        b_seq_start_loc,
+        seq_len_tensor,
+        lora_indices_tensor,
+        batches,
+        max_seq_length,
+        token_nums,
+        slice_offset,
+        slice_size,
+        add_inputs,
+    )
+
+
+def dispatch_bgmv(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    indicies: torch.Tensor,
+    layer_idx: int,
+    scale: float,
+) -> None:
+    impl = _ops.dispatch_bgmv if _on_cpu(x) else reference.dispatch_bgmv
+    impl(y, x, w, indicies, layer_idx, scale)
+
+
+def dispatch_bgmv_low_level(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    indicies: torch.Tensor,
+    layer_idx: int,
+    scale: float,
+    h_in: int,
+    h_out: int,
+    y_offset: int,
+) -> None:
+    impl = (
+        _ops.dispatch_bgmv_low_level
+        if _on_cpu(x)
+        else reference.dispatch_bgmv_low_level
+    )
+    impl(y, x, w, indicies, layer_idx, scale, h_in, h_out, y_offset)
+
+
+# Fake (meta) implementations so torch.compile can trace the ops: they only
+# mutate their output argument, so there is nothing to compute.
+def _register_fakes() -> None:
+    names = (
+        "bgmv_shrink",
+        "bgmv_expand",
+        "bgmv_expand_slice",
+        "sgmv_shrink",
+        "sgmv_expand",
+        "sgmv_expand_slice",
+        "dispatch_bgmv",
+        "dispatch_bgmv_low_level",
+    )
+    for name in names:
+        torch.library.register_fake(f"vllm_cpu_lora::{name}")(
+            lambda *args, **kwargs: None
+        )
+
+
+_register_fakes()
