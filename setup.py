@@ -17,6 +17,7 @@ _FLAGS = [
     "-Wall",
     # GCC 12 false positives inside its own AVX-512 intrinsic headers.
     "-Wno-maybe-uninitialized",
+    "-Wno-uninitialized",
 ]
 if os.environ.get("VLLM_CPU_LORA_SANITIZE"):
     # ASan + UBSan build for the hardening tests (see scripts/sanitize.sh).

@@ -20,5 +20,8 @@ def isa() -> str:
 
 
 def supported_isas() -> list[str]:
-    """Every ISA path this CPU can run, best first."""
+    """Every ISA path this CPU can run, best first; the last entry,
+    "amx_emulated" (the AMX kernel on software-emulated tiles, test-only and
+    slow), appears wherever AVX512-BF16 does and is never chosen unless
+    forced."""
     return list(torch.ops.vllm_cpu_lora.supported_isas())

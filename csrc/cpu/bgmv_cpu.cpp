@@ -25,10 +25,20 @@ namespace {
 
 // ------------------------------------------------------------------ ISA --
 
-enum class Isa : int { kScalar, kAvx2, kAvx512, kAvx512Bf16, kCount };
+// In order of preference; kAmxEmulated (test-only) is never chosen unless
+// forced.
+enum class Isa : int {
+  kScalar,
+  kAvx2,
+  kAvx512,
+  kAvx512Bf16,
+  kAmx,
+  kAmxEmulated,
+  kCount
+};
 
-constexpr const char* kIsaNames[] = {"scalar", "avx2", "avx512",
-                                     "avx512_bf16"};
+constexpr const char* kIsaNames[] = {"scalar",      "avx2", "avx512",
+                                     "avx512_bf16", "amx",  "amx_emulated"};
 
 struct CpuFeatures {
   bool supported[static_cast<int>(Isa::kCount)];
@@ -48,8 +58,14 @@ const CpuFeatures& Features() {
     f.supported[static_cast<int>(Isa::kScalar)] = true;
     f.supported[static_cast<int>(Isa::kAvx2)] = avx2;
     f.supported[static_cast<int>(Isa::kAvx512)] = avx512;
-    f.supported[static_cast<int>(Isa::kAvx512Bf16)] =
-        avx512 && has("avx512_bf16");
+    const bool avx512_bf16 = avx512 && has("avx512_bf16");
+    f.supported[static_cast<int>(Isa::kAvx512Bf16)] = avx512_bf16;
+    // AMX also needs the OS to grant tile state (arch_prctl, via torch).
+    f.supported[static_cast<int>(Isa::kAmx)] = avx512_bf16 &&
+                                               has("amx_bf16") &&
+                                               has("amx_tile") &&
+                                               at::cpu::init_amx();
+    f.supported[static_cast<int>(Isa::kAmxEmulated)] = avx512_bf16;
     return f;
   }();
   return features;
@@ -59,19 +75,32 @@ bool IsSupported(Isa isa) {
   return Features().supported[static_cast<int>(isa)];
 }
 
-std::string SupportedList() {
-  std::string names;
-  for (int i = static_cast<int>(Isa::kCount) - 1; i >= 0; --i) {
-    if (!IsSupported(static_cast<Isa>(i))) continue;
-    if (!names.empty()) names += ", ";
-    names += kIsaNames[i];
+// Supported paths, best first, the test-only emulation last.
+std::vector<std::string> SupportedIsas() {
+  std::vector<std::string> names;
+  for (int i = static_cast<int>(Isa::kAmx); i >= 0; --i) {
+    if (IsSupported(static_cast<Isa>(i))) names.push_back(kIsaNames[i]);
   }
+  if (IsSupported(Isa::kAmxEmulated)) names.push_back("amx_emulated");
   return names;
 }
 
+std::string SupportedList() {
+  std::string list;
+  for (const std::string& name : SupportedIsas()) {
+    list += (list.empty() ? "" : ", ") + name;
+  }
+  return list;
+}
+
+struct IsaChoice {
+  Isa isa;
+  bool forced;
+};
+
 // The best ISA of this CPU, or the one VLLM_CPU_LORA_ISA forces. The variable
 // is read on every call (a getenv is ~100 ns), so tests can switch paths.
-Isa SelectIsa() {
+IsaChoice SelectIsa() {
   const char* forced = std::getenv("VLLM_CPU_LORA_ISA");
   if (forced != nullptr && *forced != '\0') {
     for (int i = 0; i < static_cast<int>(Isa::kCount); ++i) {
@@ -79,23 +108,25 @@ Isa SelectIsa() {
       TORCH_CHECK(IsSupported(static_cast<Isa>(i)), "VLLM_CPU_LORA_ISA=",
                   forced, " is not supported by this CPU (supported: ",
                   SupportedList(), ")");
-      return static_cast<Isa>(i);
+      return IsaChoice{static_cast<Isa>(i), true};
     }
     TORCH_CHECK(false, "VLLM_CPU_LORA_ISA=", forced,
                 " is not a known ISA path (known: amx, avx512_bf16, avx512, "
-                "avx2, scalar; supported here: ",
+                "avx2, scalar, amx_emulated; supported here: ",
                 SupportedList(), ")");
   }
-  for (int i = static_cast<int>(Isa::kCount) - 1; i > 0; --i) {
-    if (IsSupported(static_cast<Isa>(i))) return static_cast<Isa>(i);
+  for (int i = static_cast<int>(Isa::kAmx); i > 0; --i) {
+    if (IsSupported(static_cast<Isa>(i))) {
+      return IsaChoice{static_cast<Isa>(i), false};
+    }
   }
-  return Isa::kScalar;
+  return IsaChoice{Isa::kScalar, false};
 }
 
 const IsaKernels& KernelsFor(Isa isa) {
-  static const IsaKernels table[] = {scalar::Kernels(), avx2::Kernels(),
-                                     avx512::Kernels(),
-                                     avx512_bf16::Kernels()};
+  static const IsaKernels table[] = {
+      scalar::Kernels(), avx2::Kernels(),        avx512::Kernels(),
+      avx512_bf16::Kernels(), amx::Kernels(), amx_emulated::Kernels()};
   return table[static_cast<int>(isa)];
 }
 
@@ -215,7 +246,8 @@ void Run(const Product& p, const std::vector<Group>& groups,
     }
     return;
   }
-  const IsaKernels& kernels = KernelsFor(SelectIsa());
+  const IsaChoice choice = SelectIsa();
+  const IsaKernels& kernels = KernelsFor(choice.isa);
   const bool pack = k <= kMaxPackK && p.n > k;
   const KernelFn fn = pack ? kernels.pack : kernels.dot;
 
@@ -236,6 +268,7 @@ void Run(const Product& p, const std::vector<Group>& groups,
   a.add = p.add;
   a.tokens = tokens.data();
   a.groups = groups.data();
+  a.amx_min_tokens = choice.forced ? 1 : kAmxMinTokens;
 
   int64_t total_tokens = 0;
   for (const Group& g : groups) total_tokens += g.token_count;
@@ -581,15 +614,7 @@ void DispatchBgmv(const at::Tensor& y, const at::Tensor& x,
                        w.size(2), 0);
 }
 
-std::string IsaName() { return kIsaNames[static_cast<int>(SelectIsa())]; }
-
-std::vector<std::string> SupportedIsas() {
-  std::vector<std::string> names;
-  for (int i = static_cast<int>(Isa::kCount) - 1; i >= 0; --i) {
-    if (IsSupported(static_cast<Isa>(i))) names.push_back(kIsaNames[i]);
-  }
-  return names;
-}
+std::string IsaName() { return kIsaNames[static_cast<int>(SelectIsa().isa)]; }
 
 }  // namespace
 

@@ -235,20 +235,24 @@ struct LoraKernel {
         }
       }
     }
-    const F scale = V::Set1(a.scale);
     for (int i = 0; i < MT; ++i) {
-      TO* o = out + tok[i] * a.out_row_stride + n;
-      for (int v = 0; v < kNV; ++v) {
-        const int cols = nc - v * kL;
-        if (cols <= 0) break;
-        F r = V::Mul(acc[i][v], scale);
-        if (cols >= kL) {
-          if (a.add) r = V::Add(r, V::Load(o + v * kL));
-          V::Store(o + v * kL, r);
-        } else {
-          if (a.add) r = V::Add(r, V::LoadPartial(o + v * kL, cols));
-          V::StorePartial(o + v * kL, r, cols);
-        }
+      StoreRow(a, out + tok[i] * a.out_row_stride + n, acc[i], nc);
+    }
+  }
+
+  // o[0..nc) = scale * acc (+ o), nc <= kNT.
+  static void StoreRow(const LoraArgs& a, TO* o, const F (&acc)[kNV], int nc) {
+    const F scale = V::Set1(a.scale);
+    for (int v = 0; v < kNV; ++v) {
+      const int cols = nc - v * kL;
+      if (cols <= 0) break;
+      F r = V::Mul(acc[v], scale);
+      if (cols >= kL) {
+        if (a.add) r = V::Add(r, V::Load(o + v * kL));
+        V::Store(o + v * kL, r);
+      } else {
+        if (a.add) r = V::Add(r, V::LoadPartial(o + v * kL, cols));
+        V::StorePartial(o + v * kL, r, cols);
       }
     }
   }

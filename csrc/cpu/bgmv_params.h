@@ -49,6 +49,8 @@ struct LoraArgs {
   bool add;
   const int64_t* tokens;
   const Group* groups;
+  // AMX kernels only: groups with fewer tokens run the AVX512-BF16 kernel.
+  int64_t amx_min_tokens;
 };
 
 // Two blockings of the same product: "dot" (long k, few outputs: LoRA
@@ -60,6 +62,13 @@ enum class Strategy : int8_t { kDot, kPack };
 // The pack blocking keeps a whole block of weight rows in a stack buffer, so
 // it is limited to k <= kMaxPackK.
 constexpr int64_t kMaxPackK = 256;
+
+// The per-call rule between AMX tiles and AVX512-BF16 (the one place it
+// lives): a group of tokens sharing an adapter goes through AMX when it has at
+// least this many tokens. Tile set-up and 16-row tiles waste most of the tile
+// on fewer tokens; benchmarks/bench_amx.py measures the crossover. A forced
+// VLLM_CPU_LORA_ISA=amx uses tiles for every group.
+constexpr int64_t kAmxMinTokens = 16;
 
 using KernelFn = void (*)(const LoraArgs&, const WorkItem*, int64_t begin,
                           int64_t end);
@@ -82,6 +91,14 @@ namespace avx512 {
 IsaKernels Kernels();
 }
 namespace avx512_bf16 {
+IsaKernels Kernels();
+}
+namespace amx {
+IsaKernels Kernels();
+}
+// The AMX kernel on software-emulated tiles (amx_emulation.h): test-only, so
+// the AMX blocking, packing and remainders are checked on CPUs without AMX.
+namespace amx_emulated {
 IsaKernels Kernels();
 }
 

@@ -1,0 +1,17 @@
+// AMX kernels (Sapphire Rapids and later): bgmv_amx.h on real tiles, with the
+// AVX512-BF16 kernels for small groups and other type combinations.
+#include "kernels_prelude.h"
+
+#pragma GCC push_options
+#pragma GCC target( \
+    "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c,amx-tile,amx-bf16")
+
+namespace vllm_cpu_lora::amx {
+#include "vec_avx512.h"
+#include "bgmv_impl.h"
+#include "bgmv_amx.h"
+
+IsaKernels Kernels() { return MakeAmxKernels(); }
+}  // namespace vllm_cpu_lora::amx
+
+#pragma GCC pop_options

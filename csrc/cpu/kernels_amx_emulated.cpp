@@ -1,0 +1,18 @@
+// The AMX kernel of bgmv_amx.h on software-emulated tiles (amx_emulation.h),
+// so its blocking, packing and remainder logic is tested on CPUs without AMX.
+// Needs AVX512-BF16 for everything around the tiles.
+#include "kernels_prelude.h"
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c")
+
+namespace vllm_cpu_lora::amx_emulated {
+#include "vec_avx512.h"
+#include "bgmv_impl.h"
+#include "amx_emulation.h"
+#include "bgmv_amx.h"
+
+IsaKernels Kernels() { return MakeAmxKernels(); }
+}  // namespace vllm_cpu_lora::amx_emulated
+
+#pragma GCC pop_options
