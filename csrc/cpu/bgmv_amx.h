@@ -117,7 +117,8 @@ struct AmxKernel {
     TO* out = static_cast<TO*>(a.out);
     for (int i = 0; i < mt; ++i) {
       F acc[Avx::kNV];
-      for (int v = 0; v < Avx::kNV; ++v) acc[v] = AmxVec::Load(C + i * kNT + v * 16);
+      for (int v = 0; v < Avx::kNV; ++v)
+        acc[v] = AmxVec::Load(C + i * kNT + v * 16);
       Avx::StoreRow(a, out + tok[i] * a.out_row_stride + n, acc, nc);
     }
   }

@@ -61,8 +61,7 @@ const CpuFeatures& Features() {
     const bool avx512_bf16 = avx512 && has("avx512_bf16");
     f.supported[static_cast<int>(Isa::kAvx512Bf16)] = avx512_bf16;
     // AMX also needs the OS to grant tile state (arch_prctl, via torch).
-    f.supported[static_cast<int>(Isa::kAmx)] = avx512_bf16 &&
-                                               has("amx_bf16") &&
+    f.supported[static_cast<int>(Isa::kAmx)] = avx512_bf16 && has("amx_bf16") &&
                                                has("amx_tile") &&
                                                at::cpu::init_amx();
     f.supported[static_cast<int>(Isa::kAmxEmulated)] = avx512_bf16;
@@ -105,9 +104,9 @@ IsaChoice SelectIsa() {
   if (forced != nullptr && *forced != '\0') {
     for (int i = 0; i < static_cast<int>(Isa::kCount); ++i) {
       if (std::string(forced) != kIsaNames[i]) continue;
-      TORCH_CHECK(IsSupported(static_cast<Isa>(i)), "VLLM_CPU_LORA_ISA=",
-                  forced, " is not supported by this CPU (supported: ",
-                  SupportedList(), ")");
+      TORCH_CHECK(
+          IsSupported(static_cast<Isa>(i)), "VLLM_CPU_LORA_ISA=", forced,
+          " is not supported by this CPU (supported: ", SupportedList(), ")");
       return IsaChoice{static_cast<Isa>(i), true};
     }
     TORCH_CHECK(false, "VLLM_CPU_LORA_ISA=", forced,
@@ -125,8 +124,8 @@ IsaChoice SelectIsa() {
 
 const IsaKernels& KernelsFor(Isa isa) {
   static const IsaKernels table[] = {
-      scalar::Kernels(), avx2::Kernels(),        avx512::Kernels(),
-      avx512_bf16::Kernels(), amx::Kernels(), amx_emulated::Kernels()};
+      scalar::Kernels(),      avx2::Kernels(), avx512::Kernels(),
+      avx512_bf16::Kernels(), amx::Kernels(),  amx_emulated::Kernels()};
   return table[static_cast<int>(isa)];
 }
 
@@ -173,9 +172,8 @@ std::vector<int64_t> ReadIndices(const at::Tensor& t, const char* name,
                                  int64_t count, int64_t lo, int64_t hi,
                                  const char* range_note) {
   CheckCpu(t, name);
-  TORCH_CHECK(t.scalar_type() == at::kLong || t.scalar_type() == at::kInt,
-              name, " must be an int64 or int32 tensor, got ",
-              t.scalar_type());
+  TORCH_CHECK(t.scalar_type() == at::kLong || t.scalar_type() == at::kInt, name,
+              " must be an int64 or int32 tensor, got ", t.scalar_type());
   TORCH_CHECK(t.dim() == 1, name, " must be 1-D, got shape ", t.sizes());
   TORCH_CHECK(t.size(0) >= count, name, " has ", t.size(0),
               " entries, fewer than the ", count, " needed");
@@ -189,9 +187,9 @@ std::vector<int64_t> ReadIndices(const at::Tensor& t, const char* name,
     for (int64_t i = 0; i < count; ++i) values[i] = p[i * stride];
   }
   for (int64_t i = 0; i < count; ++i) {
-    TORCH_CHECK(values[i] >= lo && values[i] <= hi, name, "[", i, "] = ",
-                values[i], " is out of range: valid values are ", lo, " to ",
-                hi, range_note);
+    TORCH_CHECK(values[i] >= lo && values[i] <= hi, name, "[", i,
+                "] = ", values[i], " is out of range: valid values are ", lo,
+                " to ", hi, range_note);
   }
   return values;
 }
@@ -219,9 +217,9 @@ Weights ViewWeights(const at::Tensor& w, const char* name) {
 
 // One product over `groups`: columns [col0, col0 + n) of `out`.
 struct Product {
-  at::Tensor x;       // [T, k]
-  at::Tensor w;       // [L, >= n, k] (3-D, last dim contiguous)
-  at::Tensor out;     // [T, >= col0 + n]
+  at::Tensor x;    // [T, k]
+  at::Tensor w;    // [L, >= n, k] (3-D, last dim contiguous)
+  at::Tensor out;  // [T, >= col0 + n]
   int64_t col0 = 0;
   int64_t n = 0;
   float scale = 1.0f;
@@ -405,8 +403,7 @@ void BgmvShrink(const at::Tensor& inputs, const at::Tensor& lora_a_weights,
   Run(p, groups, tokens);
 }
 
-void BgmvExpandSlice(const at::Tensor& inputs,
-                     const at::Tensor& lora_b_weights,
+void BgmvExpandSlice(const at::Tensor& inputs, const at::Tensor& lora_b_weights,
                      const at::Tensor& output_tensor,
                      const at::Tensor& lora_indices_tensor,
                      int64_t slice_offset, int64_t slice_size,
@@ -435,8 +432,8 @@ void BgmvExpand(const at::Tensor& inputs, const at::Tensor& lora_b_weights,
                 const at::Tensor& lora_indices_tensor, bool add_inputs) {
   TORCH_CHECK(output_tensor.dim() == 2, "output_tensor must be 2-D, got shape ",
               output_tensor.sizes());
-  BgmvExpandSlice(inputs, lora_b_weights, output_tensor, lora_indices_tensor,
-                  0, output_tensor.size(1), add_inputs);
+  BgmvExpandSlice(inputs, lora_b_weights, output_tensor, lora_indices_tensor, 0,
+                  output_tensor.size(1), add_inputs);
 }
 
 // Segments of an sgmv call: segment i is tokens [start, start + len) with
@@ -453,8 +450,8 @@ Segments ReadSegments(const at::Tensor& b_seq_start_loc,
   Segments s;
   s.start = ReadIndices(b_seq_start_loc, "b_seq_start_loc", batches, 0,
                         num_tokens, " (token positions)");
-  s.len = ReadIndices(seq_len_tensor, "seq_len_tensor", batches, 0,
-                      num_tokens, " (segment lengths)");
+  s.len = ReadIndices(seq_len_tensor, "seq_len_tensor", batches, 0, num_tokens,
+                      " (segment lengths)");
   s.lora = ReadIndices(lora_indices_tensor, "lora_indices_tensor", batches, -1,
                        num_adapters - 1, kLoraRange);
   std::vector<int64_t> order(batches);
@@ -464,8 +461,8 @@ Segments ReadSegments(const at::Tensor& b_seq_start_loc,
   int64_t prev = -1;
   for (int64_t i : order) {
     TORCH_CHECK(s.start[i] + s.len[i] <= num_tokens, "segment ", i,
-                " (b_seq_start_loc ", s.start[i], ", seq_len_tensor ",
-                s.len[i], ") runs past the ", num_tokens, " input tokens");
+                " (b_seq_start_loc ", s.start[i], ", seq_len_tensor ", s.len[i],
+                ") runs past the ", num_tokens, " input tokens");
     if (s.len[i] == 0) continue;
     TORCH_CHECK(prev < 0 || s.start[i] >= s.start[prev] + s.len[prev],
                 "segments ", prev, " and ", i,
@@ -517,8 +514,7 @@ void SgmvShrink(const at::Tensor& inputs, const at::Tensor& lora_a_weights,
   Run(p, groups, tokens);
 }
 
-void SgmvExpandSlice(const at::Tensor& inputs,
-                     const at::Tensor& lora_b_weights,
+void SgmvExpandSlice(const at::Tensor& inputs, const at::Tensor& lora_b_weights,
                      const at::Tensor& output_tensor,
                      const at::Tensor& b_seq_start_loc,
                      const at::Tensor& seq_len_tensor,
@@ -571,9 +567,8 @@ void DispatchBgmvLowLevel(const at::Tensor& y, const at::Tensor& x,
   TORCH_CHECK(w.dim() == 4,
               "w must be [num_loras, num_layers, h_out, h_in], got shape ",
               w.sizes());
-  TORCH_CHECK(layer_idx >= 0 && layer_idx < w.size(1), "layer_idx ",
-              layer_idx, " is out of range for w with ", w.size(1),
-              " layers");
+  TORCH_CHECK(layer_idx >= 0 && layer_idx < w.size(1), "layer_idx ", layer_idx,
+              " is out of range for w with ", w.size(1), " layers");
   TORCH_CHECK(h_in >= 0 && h_in <= w.size(3), "h_in ", h_in,
               " must be between 0 and w.size(3) = ", w.size(3));
   TORCH_CHECK(h_out >= 0 && h_out <= w.size(2), "h_out ", h_out,
@@ -583,8 +578,8 @@ void DispatchBgmvLowLevel(const at::Tensor& y, const at::Tensor& x,
               " columns but h_in is ", h_in);
   TORCH_CHECK(y.dim() == 2, "y must be 2-D, got shape ", y.sizes());
   TORCH_CHECK(y_offset >= 0 && y_offset + h_out <= y.size(1), "y_offset ",
-              y_offset, " and h_out ", h_out,
-              " do not fit in y of width ", y.size(1));
+              y_offset, " and h_out ", h_out, " do not fit in y of width ",
+              y.size(1));
   const at::Tensor w3 =
       w.select(1, layer_idx).narrow(1, 0, h_out).narrow(2, 0, h_in);
   Weights wv;
@@ -604,9 +599,8 @@ void DispatchBgmvLowLevel(const at::Tensor& y, const at::Tensor& x,
   Run(p, groups, tokens);
 }
 
-void DispatchBgmv(const at::Tensor& y, const at::Tensor& x,
-                  const at::Tensor& w, const at::Tensor& indicies,
-                  int64_t layer_idx, double scale) {
+void DispatchBgmv(const at::Tensor& y, const at::Tensor& x, const at::Tensor& w,
+                  const at::Tensor& indicies, int64_t layer_idx, double scale) {
   TORCH_CHECK(w.dim() == 4,
               "w must be [num_loras, num_layers, h_out, h_in], got shape ",
               w.sizes());

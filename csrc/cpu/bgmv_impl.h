@@ -224,14 +224,16 @@ struct LoraKernel {
           const uint32_t lo = Bf16Bits(xr[i][2 * j]);
           const uint32_t hi = 2 * j + 1 < a.k ? Bf16Bits(xr[i][2 * j + 1]) : 0u;
           const typename V::BH xb = V::BroadcastPair(lo | (hi << 16));
-          for (int v = 0; v < kNV; ++v) acc[i][v] = V::Dot(acc[i][v], xb, wv[v]);
+          for (int v = 0; v < kNV; ++v)
+            acc[i][v] = V::Dot(acc[i][v], xb, wv[v]);
         }
       } else {
         F wv[kNV];
         for (int v = 0; v < kNV; ++v) wv[v] = V::Load(pj + v * kL);
         for (int i = 0; i < MT; ++i) {
           const F xb = V::Set1(static_cast<float>(xr[i][j]));
-          for (int v = 0; v < kNV; ++v) acc[i][v] = V::Fma(xb, wv[v], acc[i][v]);
+          for (int v = 0; v < kNV; ++v)
+            acc[i][v] = V::Fma(xb, wv[v], acc[i][v]);
         }
       }
     }
@@ -270,7 +272,8 @@ struct LoraKernel {
         const int nc = static_cast<int>(std::min<int64_t>(kNT, item.n1 - n));
         Pack(wa + n * a.w_row_stride, a.w_row_stride, a.k, nc, P);
         int64_t m = item.m0;
-        for (; m + kTM <= item.m1; m += kTM) PackTile<kTM>(a, P, tok + m, n, nc);
+        for (; m + kTM <= item.m1; m += kTM)
+          PackTile<kTM>(a, P, tok + m, n, nc);
         for (; m < item.m1; ++m) PackTile<1>(a, P, tok + m, n, nc);
       }
     }

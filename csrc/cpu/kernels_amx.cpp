@@ -7,8 +7,11 @@
     "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c,amx-tile,amx-bf16")
 
 namespace vllm_cpu_lora::amx {
+// In this order: vector policy, kernel templates, AMX parts.
 #include "vec_avx512.h"
+
 #include "bgmv_impl.h"
+
 #include "bgmv_amx.h"
 
 IsaKernels Kernels() { return MakeAmxKernels(); }

@@ -7,9 +7,13 @@
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c")
 
 namespace vllm_cpu_lora::amx_emulated {
+// In this order: vector policy, kernel templates, AMX parts.
 #include "vec_avx512.h"
+
 #include "bgmv_impl.h"
+
 #include "amx_emulation.h"
+
 #include "bgmv_amx.h"
 
 IsaKernels Kernels() { return MakeAmxKernels(); }

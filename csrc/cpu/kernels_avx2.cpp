@@ -5,7 +5,9 @@
 #pragma GCC target("avx2,fma,f16c")
 
 namespace vllm_cpu_lora::avx2 {
+// In this order: vector policy, kernel templates, AMX parts.
 #include "vec_avx2.h"
+
 #include "bgmv_impl.h"
 
 IsaKernels Kernels() { return MakeKernels<VecAvx2>(); }

@@ -5,7 +5,9 @@
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")
 
 namespace vllm_cpu_lora::avx512 {
+// In this order: vector policy, kernel templates, AMX parts.
 #include "vec_avx512.h"
+
 #include "bgmv_impl.h"
 
 IsaKernels Kernels() { return MakeKernels<VecAvx512<false>>(); }

@@ -3,7 +3,9 @@
 #include "kernels_prelude.h"
 
 namespace vllm_cpu_lora::scalar {
+// In this order: vector policy, kernel templates, AMX parts.
 #include "vec_scalar.h"
+
 #include "bgmv_impl.h"
 
 IsaKernels Kernels() { return MakeKernels<VecScalar>(); }

@@ -22,7 +22,8 @@ struct VecAvx2 {
   static F Add(F a, F b) { return _mm256_add_ps(a, b); }
   static F Mul(F a, F b) { return _mm256_mul_ps(a, b); }
   static float Reduce(F v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    __m128 s =
+        _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);

@@ -63,8 +63,8 @@ struct VecAvx512 {
     const __m512i u = _mm512_castps_si512(v);
     const __m512i lsb =
         _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_add_epi32(
-        u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    __m512i r =
+        _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
     r = _mm512_srli_epi32(r, 16);
     const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
     r = _mm512_mask_blend_epi32(nan, r, _mm512_set1_epi32(0x7fc0));
@@ -127,58 +127,83 @@ struct VecAvx512 {
     }
   }
 
-  static BH LoadPacked(const uint32_t* p) {
-    return (BH)_mm512_loadu_si512(p);
-  }
+  static BH LoadPacked(const uint32_t* p) { return (BH)_mm512_loadu_si512(p); }
   static BH BroadcastPair(uint32_t pair) {
     return (BH)_mm512_set1_epi32(static_cast<int>(pair));
   }
   static F Dot(F acc, BH a, BH b) { return _mm512_dpbf16_ps(acc, a, b); }
 
-  // ---- weight packing for the pack blocking, by gathers ----
+  // ---- weight packing for the pack blocking ----
   // Packs columns c < nt of P (see LoraKernel::Pack): row j holds, for each
   // weight row c < nc, element j (fp32) or the bf16 pair (2j, 2j+1) (kPairs),
-  // zero for c >= nc. Returns how many columns it packed: nt, or 0 where it
-  // leaves the work to the generic loop.
+  // zero for c >= nc. Returns how many columns it packed (all of them).
+  //
+  // Works on blocks of 16 weight rows x 8 dwords (16 bf16/fp16 or 8 fp32
+  // elements): masked row loads, then an in-register 16 x 8 dword transpose
+  // (24 shuffles) gives, per dword column, one vector across the 16 rows.
+  // Gathers would be simpler but are several times slower on CPUs with the
+  // Gather Data Sampling mitigation.
   template <class TW, bool kPairs>
   static int PackColumns(const TW* w, int64_t row_stride, int64_t k, int nc,
                          int nt, void* out) {
-    const int64_t max_offset = static_cast<int64_t>(nt) * row_stride * 4;
-    if (k < 2 && !std::is_same_v<TW, float>) return 0;
-    if (max_offset > INT32_MAX) return 0;
-    const char* base = reinterpret_cast<const char*>(w);
-    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
-                                           11, 12, 13, 14, 15);
-    const int row_bytes = static_cast<int>(row_stride * sizeof(TW));
+    constexpr int kPerDword = sizeof(TW) == 2 ? 2 : 1;
+    const int64_t dwords = (k + kPerDword - 1) / kPerDword;
     for (int c0 = 0; c0 < nt; c0 += kLanes) {
-      const int valid = std::max(0, std::min(kLanes, nc - c0));
-      const __mmask16 m = Mask16(valid);
-      const __m512i vidx = _mm512_mullo_epi32(
-          _mm512_add_epi32(lane, _mm512_set1_epi32(c0)),
-          _mm512_set1_epi32(row_bytes));
-      auto gather = [&](int64_t elem) {
-        return _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, vidx,
-                                           base + elem * sizeof(TW), 1);
-      };
-      if constexpr (kPairs) {
-        uint32_t* P = static_cast<uint32_t*>(out) + c0;
-        for (int64_t j = 0; j < k / 2; ++j)
-          _mm512_storeu_si512(P + j * nt, gather(2 * j));
-        if (k % 2)
-          _mm512_storeu_si512(P + (k / 2) * nt,
-                              _mm512_srli_epi32(gather(k - 2), 16));
-      } else {
-        float* P = static_cast<float*>(out) + c0;
-        if constexpr (std::is_same_v<TW, float>) {
-          for (int64_t j = 0; j < k; ++j)
-            _mm512_storeu_ps(P + j * nt, _mm512_castsi512_ps(gather(j)));
-        } else {
-          for (int64_t j = 0; j + 1 < k; j += 2) {
-            const __m512i d = gather(j);
-            _mm512_storeu_ps(P + j * nt, Low(d, TW{}));
-            _mm512_storeu_ps(P + (j + 1) * nt, High(d, TW{}));
+      for (int64_t d0 = 0; d0 < dwords; d0 += 8) {
+        const int64_t e0 = d0 * kPerDword;  // First element of the block.
+        const int count =
+            static_cast<int>(std::min<int64_t>(8 * kPerDword, k - e0));
+        auto load_row = [&](int r) -> __m256i {
+          if (c0 + r >= nc) return _mm256_setzero_si256();
+          const TW* p = w + (c0 + r) * row_stride + e0;
+          if constexpr (kPerDword == 2) {
+            return _mm256_maskz_loadu_epi16(
+                static_cast<__mmask16>(Mask32(count)), p);
+          } else {
+            return _mm256_maskz_loadu_epi32(
+                static_cast<__mmask8>(Mask16(count)), p);
           }
-          if (k % 2) _mm512_storeu_ps(P + (k - 1) * nt, High(gather(k - 2), TW{}));
+        };
+        // z[i] = rows (i, i + 4) for i < 4 and (i + 4, i + 8) for i >= 4, so
+        // that the transpose below leaves rows in lane order.
+        __m512i z[8];
+        for (int i = 0; i < 8; ++i) {
+          const int lo = i < 4 ? i : i + 4;
+          z[i] = _mm512_inserti64x4(_mm512_castsi256_si512(load_row(lo)),
+                                    load_row(lo + 4), 1);
+        }
+        __m512i t[8], u[8];
+        for (int i = 0; i < 4; ++i) {
+          t[2 * i] = _mm512_unpacklo_epi32(z[2 * i], z[2 * i + 1]);
+          t[2 * i + 1] = _mm512_unpackhi_epi32(z[2 * i], z[2 * i + 1]);
+        }
+        for (int h = 0; h < 2; ++h) {
+          const __m512i* th = t + 4 * h;
+          u[4 * h + 0] = _mm512_unpacklo_epi64(th[0], th[2]);
+          u[4 * h + 1] = _mm512_unpackhi_epi64(th[0], th[2]);
+          u[4 * h + 2] = _mm512_unpacklo_epi64(th[1], th[3]);
+          u[4 * h + 3] = _mm512_unpackhi_epi64(th[1], th[3]);
+        }
+        // u[q] (q < 4) holds dword columns q (128-bit lanes 0, 2) and q + 4
+        // (lanes 1, 3) of rows 0-3 / 4-7; u[q + 4] the same for rows 8-15.
+        const int64_t valid_dwords = std::min<int64_t>(8, dwords - d0);
+        for (int q = 0; q < 8; ++q) {
+          if (q >= valid_dwords) break;
+          const __m512i col = q < 4
+                                  ? _mm512_shuffle_i32x4(u[q], u[q + 4], 0x88)
+                                  : _mm512_shuffle_i32x4(u[q - 4], u[q], 0xdd);
+          const int64_t d = d0 + q;
+          if constexpr (kPairs) {
+            _mm512_storeu_si512(static_cast<uint32_t*>(out) + d * nt + c0, col);
+          } else if constexpr (kPerDword == 1) {
+            _mm512_storeu_ps(static_cast<float*>(out) + d * nt + c0,
+                             _mm512_castsi512_ps(col));
+          } else {
+            float* P = static_cast<float*>(out) + c0;
+            _mm512_storeu_ps(P + 2 * d * nt, Low(col, TW{}));
+            if (2 * d + 1 < k)
+              _mm512_storeu_ps(P + (2 * d + 1) * nt, High(col, TW{}));
+          }
         }
       }
     }
