@@ -46,7 +46,8 @@ struct AmxKernel {
   static int64_t PairRows(int64_t k) { return (k + 31) / 32 * 16; }
 
   // Packs weight rows [0, nc) x the whole reduction into P (PairRows(k) x 64
-  // dwords), zero padded.
+  // dwords), zero padded to whole tiles (columns past nc rounded up to 16 are
+  // never read).
   static void PackAll(const c10::BFloat16* w, int64_t row_stride, int64_t k,
                       int nc, uint32_t* P) {
     for (int64_t kc = 0; kc < k; kc += kMaxPackK) {

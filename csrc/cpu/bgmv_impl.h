@@ -177,7 +177,7 @@ struct LoraKernel {
   static constexpr int64_t kPackRows = kPairs ? kMaxPackK / 2 : kMaxPackK;
 
   // P[j * kNT + c] = w[c][j] for c < nc (bf16 pairs: w[c][2j], w[c][2j+1]),
-  // zero for c >= nc.
+  // zero for nc <= c < nc rounded up to kL; later columns are never read.
   static void Pack(const TW* w, int64_t row_stride, int64_t k, int nc,
                    PackT* P) {
     const int64_t rows = kPairs ? (k + 1) / 2 : k;
@@ -185,7 +185,8 @@ struct LoraKernel {
     if constexpr (V::kGather) {
       c0 = V::template PackColumns<TW, kPairs>(w, row_stride, k, nc, kNT, P);
     }
-    for (int c = c0; c < kNT; ++c) {
+    const int filled = (nc + kL - 1) / kL * kL;
+    for (int c = c0; c < filled; ++c) {
       const TW* row = w + c * row_stride;
       for (int64_t j = 0; j < rows; ++j) {
         PackT v{};
@@ -203,37 +204,56 @@ struct LoraKernel {
     }
   }
 
-  // out rows tok[0..MT), columns [n, n + nc) from the packed block.
-  template <int MT>
-  static void PackTile(const LoraArgs& a, const PackT* P, const int64_t* tok,
-                       int64_t n, int nc) {
+  // xc[i * rows + j] = input j of token tok[i] as fp32, or (kPairs) the bf16
+  // pair (2j, 2j + 1) of it, for i < count.
+  static void ConvertInputs(const LoraArgs& a, const int64_t* tok,
+                            int64_t count, PackT* xc) {
     const TX* x = static_cast<const TX*>(a.x);
-    TO* out = static_cast<TO*>(a.out);
     const int64_t rows = kPairs ? (a.k + 1) / 2 : a.k;
+    for (int64_t i = 0; i < count; ++i) {
+      const TX* xr = x + tok[i] * a.x_row_stride;
+      PackT* dst = xc + i * rows;
+      for (int64_t j = 0; j < rows; ++j) {
+        if constexpr (kPairs) {
+          const uint32_t lo = Bf16Bits(xr[2 * j]);
+          const uint32_t hi = 2 * j + 1 < a.k ? Bf16Bits(xr[2 * j + 1]) : 0u;
+          dst[j] = lo | (hi << 16);
+        } else {
+          dst[j] = static_cast<float>(xr[j]);
+        }
+      }
+    }
+  }
+
+  // out rows tok[0..MT), columns [n, n + nc): the packed block P times the
+  // converted inputs xc (rows entries per token).
+  template <int MT>
+  static void PackTile(const LoraArgs& a, const PackT* P, const PackT* xc,
+                       int64_t rows, const int64_t* tok, int64_t n, int nc) {
+    TO* out = static_cast<TO*>(a.out);
+    const int nv = (nc + kL - 1) / kL;  // Vectors in use, <= kNV.
     F acc[MT][kNV];
     for (int i = 0; i < MT; ++i)
       for (int v = 0; v < kNV; ++v) acc[i][v] = V::Zero();
-    const TX* xr[MT];
-    for (int i = 0; i < MT; ++i) xr[i] = x + tok[i] * a.x_row_stride;
     for (int64_t j = 0; j < rows; ++j) {
       const PackT* pj = P + j * kNT;
       if constexpr (kPairs) {
         typename V::BH wv[kNV];
-        for (int v = 0; v < kNV; ++v) wv[v] = V::LoadPacked(pj + v * kL);
+        for (int v = 0; v < kNV; ++v)
+          if (v < nv) wv[v] = V::LoadPacked(pj + v * kL);
         for (int i = 0; i < MT; ++i) {
-          const uint32_t lo = Bf16Bits(xr[i][2 * j]);
-          const uint32_t hi = 2 * j + 1 < a.k ? Bf16Bits(xr[i][2 * j + 1]) : 0u;
-          const typename V::BH xb = V::BroadcastPair(lo | (hi << 16));
+          const typename V::BH xb = V::BroadcastPair(xc[i * rows + j]);
           for (int v = 0; v < kNV; ++v)
-            acc[i][v] = V::Dot(acc[i][v], xb, wv[v]);
+            if (v < nv) acc[i][v] = V::Dot(acc[i][v], xb, wv[v]);
         }
       } else {
         F wv[kNV];
-        for (int v = 0; v < kNV; ++v) wv[v] = V::Load(pj + v * kL);
+        for (int v = 0; v < kNV; ++v)
+          if (v < nv) wv[v] = V::Load(pj + v * kL);
         for (int i = 0; i < MT; ++i) {
-          const F xb = V::Set1(static_cast<float>(xr[i][j]));
+          const F xb = V::Set1(xc[i * rows + j]);
           for (int v = 0; v < kNV; ++v)
-            acc[i][v] = V::Fma(xb, wv[v], acc[i][v]);
+            if (v < nv) acc[i][v] = V::Fma(xb, wv[v], acc[i][v]);
         }
       }
     }
@@ -262,19 +282,29 @@ struct LoraKernel {
   static void RunPack(const LoraArgs& a, const WorkItem* items, int64_t begin,
                       int64_t end) {
     alignas(64) PackT P[kPackRows * kNT];
+    const int64_t rows = kPairs ? (a.k + 1) / 2 : a.k;
+    std::unique_ptr<PackT[]> xc;
+    int64_t xc_tokens = 0;
     const TW* w = static_cast<const TW*>(a.w);
     for (int64_t it = begin; it < end; ++it) {
       const WorkItem& item = items[it];
       const Group& g = a.groups[item.group];
-      const int64_t* tok = a.tokens + g.token_begin;
+      const int64_t* tok = a.tokens + g.token_begin + item.m0;
+      const int64_t count = item.m1 - item.m0;
+      if (count > xc_tokens) {
+        xc.reset(new PackT[count * rows]);
+        xc_tokens = count;
+      }
+      ConvertInputs(a, tok, count, xc.get());
       const TW* wa = w + g.adapter * a.w_adapter_stride;
       for (int64_t n = item.n0; n < item.n1; n += kNT) {
         const int nc = static_cast<int>(std::min<int64_t>(kNT, item.n1 - n));
         Pack(wa + n * a.w_row_stride, a.w_row_stride, a.k, nc, P);
-        int64_t m = item.m0;
-        for (; m + kTM <= item.m1; m += kTM)
-          PackTile<kTM>(a, P, tok + m, n, nc);
-        for (; m < item.m1; ++m) PackTile<1>(a, P, tok + m, n, nc);
+        int64_t m = 0;
+        for (; m + kTM <= count; m += kTM)
+          PackTile<kTM>(a, P, xc.get() + m * rows, rows, tok + m, n, nc);
+        for (; m < count; ++m)
+          PackTile<1>(a, P, xc.get() + m * rows, rows, tok + m, n, nc);
       }
     }
   }

@@ -136,7 +136,8 @@ struct VecAvx512 {
   // ---- weight packing for the pack blocking ----
   // Packs columns c < nt of P (see LoraKernel::Pack): row j holds, for each
   // weight row c < nc, element j (fp32) or the bf16 pair (2j, 2j+1) (kPairs),
-  // zero for c >= nc. Returns how many columns it packed (all of them).
+  // zero for nc <= c < nc rounded up to kLanes (later columns are not read).
+  // Returns the number of columns it packed, that rounded-up nc.
   //
   // Works on blocks of 16 weight rows x 8 dwords (16 bf16/fp16 or 8 fp32
   // elements): masked row loads, then an in-register 16 x 8 dword transpose
@@ -148,7 +149,7 @@ struct VecAvx512 {
                          int nt, void* out) {
     constexpr int kPerDword = sizeof(TW) == 2 ? 2 : 1;
     const int64_t dwords = (k + kPerDword - 1) / kPerDword;
-    for (int c0 = 0; c0 < nt; c0 += kLanes) {
+    for (int c0 = 0; c0 < nc; c0 += kLanes) {
       for (int64_t d0 = 0; d0 < dwords; d0 += 8) {
         const int64_t e0 = d0 * kPerDword;  // First element of the block.
         const int count =
@@ -207,7 +208,7 @@ struct VecAvx512 {
         }
       }
     }
-    return nt;
+    return (nc + kLanes - 1) / kLanes * kLanes;
   }
 
   // The first / second 16-bit element of each dword, widened to fp32.
