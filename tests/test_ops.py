@@ -1,0 +1,1157 @@
+"""Correctness of the C++ LoRA ops against `vllm_cpu_lora.reference`.
+
+Every check runs one op on fresh random operands and compares the result with
+the float64 oracle of tests/oracle.py under its documented error bound
+(`assert_close_to_oracle`), or, for small-integer operands where every step
+of the arithmetic is exact, with zero tolerance. Outputs are poisoned with NaN
+in overwrite mode, so elements an op must not touch are checked too; in add
+mode those elements must keep their old value bit for bit.
+
+Tests that take the `isa` fixture (tests/conftest.py) run once per ISA path
+this CPU supports. Seeds derive from the test parameters, so a failure
+reproduces with the same test id.
+"""
+
+import collections
+import dataclasses
+import hashlib
+import itertools
+import zlib
+
+import pytest
+import torch
+from oracle import assert_close_to_oracle, f64, run_oracle
+
+import vllm_cpu_lora
+from vllm_cpu_lora import ops
+
+F32 = torch.float32
+BF16 = torch.bfloat16
+F16 = torch.float16
+DTYPES = (F32, BF16, F16)
+DTYPE_NAMES = {F32: "f32", BF16: "bf16", F16: "f16"}
+NAN = float("nan")
+
+SHRINK_OPS = ("bgmv_shrink", "sgmv_shrink")
+EXPAND_OPS = (
+    "bgmv_expand",
+    "bgmv_expand_slice",
+    "sgmv_expand",
+    "sgmv_expand_slice",
+)
+DISPATCH_OPS = ("dispatch_bgmv", "dispatch_bgmv_low_level")
+ALL_OPS = SHRINK_OPS + EXPAND_OPS + DISPATCH_OPS
+
+# (inputs, weights, output) dtypes.
+ALL_DTYPE_COMBOS = tuple(itertools.product(DTYPES, repeat=3))
+SAME_DTYPE_COMBOS = ((F32, F32, F32), (BF16, BF16, BF16), (F16, F16, F16))
+SHRINK_FAST_COMBOS = ((BF16, BF16, F32), *SAME_DTYPE_COMBOS)
+EXPAND_FAST_COMBOS = ((F32, BF16, BF16), *SAME_DTYPE_COMBOS)
+
+# Threads the kernels run with (their threaded path needs more than one).
+# The oracle and the checks run single-threaded: their work is small
+# elementwise float64 code, for which threading costs more than it wins,
+# and much more on a busy machine.
+KERNEL_THREADS = torch.get_num_threads()
+
+# Adapter index patterns: every row/segment -1, -1 mixed with adapters, one
+# adapter for all, distinct (or random when there are more rows than
+# adapters).
+PATTERNS = ("none", "mixed", "same", "distinct")
+
+
+@pytest.fixture(autouse=True)
+def single_threaded_checks():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def dtypes_id(dtypes) -> str:
+    return "-".join(DTYPE_NAMES[d] for d in dtypes)
+
+
+def make_generator(*parts) -> torch.Generator:
+    """A generator seeded from the test parameters (stable across runs)."""
+    seed = zlib.crc32(repr(parts).encode())
+    return torch.Generator().manual_seed(seed)
+
+
+def _randint(low: int, high: int, gen: torch.Generator) -> int:
+    return int(torch.randint(low, high, (), generator=gen))
+
+
+def make_values(shape, dtype, gen, integers=False) -> torch.Tensor:
+    """Random operands: N(0, 1), or integers in [-3, 3] (exact in every
+    dtype) when `integers`."""
+    if integers:
+        values = torch.randint(-3, 4, shape, generator=gen, dtype=torch.int64)
+    else:
+        values = torch.randn(shape, generator=gen)
+    return values.to(dtype)
+
+
+def make_output(shape, dtype, gen, add, integers=False) -> torch.Tensor:
+    """The output before the call: random finite values in add mode, else
+    NaN poison."""
+    if add:
+        return make_values(shape, dtype, gen, integers)
+    return torch.full(shape, NAN, dtype=dtype)
+
+
+# ------------------------------------------------------------- indices --
+
+
+def bgmv_indices(batch, loras, pattern, gen, dtype) -> torch.Tensor:
+    """Per-row adapter indices (-1: no LoRA) following `pattern`.
+
+    "mixed" indices carry extra out-of-range entries past the batch: only
+    the first `batch` entries may be read.
+    """
+    if pattern == "none":
+        values = torch.full((batch,), -1)
+    elif pattern == "same":
+        values = torch.full((batch,), _randint(0, loras, gen))
+    elif pattern == "distinct":
+        if batch <= loras:
+            values = torch.randperm(loras, generator=gen)[:batch]
+        else:
+            values = torch.randint(0, loras, (batch,), generator=gen)
+    elif pattern == "mixed":
+        values = torch.randint(-1, loras, (batch,), generator=gen)
+        if batch >= 2:
+            rows = torch.randperm(batch, generator=gen)
+            values[rows[0]] = -1
+            values[rows[1]] = _randint(0, loras, gen)
+        values = torch.cat([values, torch.full((3,), loras + 5)])
+    else:
+        raise ValueError(pattern)
+    return values.to(dtype)
+
+
+def dispatch_indices(batch, loras, pattern, gen, dtype) -> torch.Tensor:
+    """Legacy punica indices: any negative value skips the row."""
+    negatives = torch.tensor([-1, -7, torch.iinfo(dtype).min])
+    if pattern in ("none", "mixed"):
+        values = negatives[torch.randint(0, 3, (batch,), generator=gen)]
+        if pattern == "mixed":
+            valid = torch.randint(0, loras, (batch,), generator=gen)
+            keep = torch.rand(batch, generator=gen) < 0.5
+            if batch >= 2:
+                keep[0], keep[1] = True, False
+            values = torch.where(keep, valid, values)
+        return values.to(dtype)
+    return bgmv_indices(batch, loras, pattern, gen, dtype)
+
+
+@dataclasses.dataclass
+class Segments:
+    """sgmv segment arguments."""
+
+    starts: torch.Tensor
+    lengths: torch.Tensor
+    adapters: torch.Tensor
+    batches: int
+    max_seq_length: int
+
+    def args(self, tokens: int) -> list:
+        return [
+            self.starts,
+            self.lengths,
+            self.adapters,
+            self.batches,
+            self.max_seq_length,
+            tokens,
+        ]
+
+
+def sgmv_segments(tokens, loras, pattern, gen, dtype) -> Segments:
+    """Segments over `tokens` tokens following `pattern`, listed in a
+    shuffled order (the kernel must not assume sorted starts).
+
+    "none": every segment has adapter -1; "same": one adapter, every token
+    covered; "distinct": random adapters, every token covered; "mixed":
+    adapters, a -1 segment, tokens covered by no segment, an empty segment,
+    and an extra entry past `batches` that must not be read.
+    """
+    pieces = min(tokens, 5)
+    cuts = []
+    if pieces > 1:
+        cuts = torch.randperm(tokens - 1, generator=gen)[: pieces - 1] + 1
+        cuts = sorted(cuts.tolist())
+    bounds = [0, *cuts, tokens] if tokens else [0]
+    same = _randint(0, loras, gen)
+    segments = []
+    for i, (start, stop) in enumerate(itertools.pairwise(bounds)):
+        if pattern == "none":
+            adapter = -1
+        elif pattern == "same":
+            adapter = same
+        elif pattern == "distinct":
+            adapter = _randint(0, loras, gen)
+        elif pattern == "mixed":
+            role = i % 3
+            if role == 1:
+                continue  # Tokens covered by no segment.
+            adapter = _randint(0, loras, gen) if role == 0 else -1
+        else:
+            raise ValueError(pattern)
+        segments.append((start, stop - start, adapter))
+    if pattern == "mixed" or not segments:
+        adapter = -1 if pattern == "none" else _randint(0, loras, gen)
+        segments.append((_randint(0, tokens + 1, gen), 0, adapter))
+    order = torch.randperm(len(segments), generator=gen).tolist()
+    segments = [segments[i] for i in order]
+    batches = len(segments)
+    max_seq_length = max(length for _, length, _ in segments)
+    if pattern == "mixed":
+        # Would overwrite every token with adapter 0 if it were read.
+        segments.append((0, tokens, 0))
+    columns = zip(*segments, strict=True)
+    starts, lengths, adapters = (torch.tensor(c, dtype=dtype) for c in columns)
+    return Segments(starts, lengths, adapters, batches, max_seq_length)
+
+
+# --------------------------------------------------------------- calls --
+
+
+@dataclasses.dataclass
+class Call:
+    """One op call and what the oracle needs to judge it.
+
+    Attributes:
+        op: The op's name in vllm_cpu_lora.ops / reference.
+        args: The arguments, output already poisoned or initialised.
+        out: Position of the output tensor in `args`.
+        x: Position of the inputs.
+        w: Position of the weights.
+        scale: Position of the scale argument, None if the op has none.
+        k: Reduction length.
+        add: Whether the op adds to the old output.
+        api: Where the op is looked up: vllm_cpu_lora.ops (default) or
+            torch.ops.vllm_cpu_lora.
+    """
+
+    op: str
+    args: list
+    out: int
+    x: int
+    w: int
+    scale: int | None
+    k: int
+    add: bool
+    api: object = ops
+
+    @property
+    def output(self) -> torch.Tensor:
+        return self.args[self.out]
+
+    @property
+    def dtypes(self) -> tuple:
+        return (
+            self.args[self.x].dtype,
+            self.args[self.w].dtype,
+            self.output.dtype,
+        )
+
+
+def shrink_call(
+    op,
+    dtypes,
+    *,
+    batch,
+    hidden,
+    rank,
+    loras,
+    pattern,
+    gen,
+    integers=False,
+    scale=0.75,
+    w4d=False,
+    index_dtype=torch.int64,
+    extra_cols=3,
+) -> Call:
+    """bgmv_shrink / sgmv_shrink: out[:, :rank] = scale * x @ A.T."""
+    x_dtype, w_dtype, out_dtype = dtypes
+    x = make_values((batch, hidden), x_dtype, gen, integers)
+    w_shape = (loras, 1, rank, hidden) if w4d else (loras, rank, hidden)
+    w = make_values(w_shape, w_dtype, gen, integers)
+    out = make_output((batch, rank + extra_cols), out_dtype, gen, add=False)
+    if op == "bgmv_shrink":
+        idx = bgmv_indices(batch, loras, pattern, gen, index_dtype)
+        args = [x, w, out, idx, scale]
+    else:
+        segments = sgmv_segments(batch, loras, pattern, gen, index_dtype)
+        args = [x, w, out, *segments.args(batch), scale]
+    return Call(op, args, 2, 0, 1, len(args) - 1, hidden, False)
+
+
+def expand_call(
+    op,
+    dtypes,
+    *,
+    batch,
+    rank,
+    w_rows,
+    out_width,
+    loras,
+    pattern,
+    add,
+    gen,
+    integers=False,
+    w4d=False,
+    index_dtype=torch.int64,
+    slice_size=None,
+    slice_offset=None,
+) -> Call:
+    """bgmv/sgmv_expand(_slice): out[:, off:off+n] (+)= x @ B.T.
+
+    For the slice ops the slice defaults to the last `slice_size` columns
+    (default: the lesser of w_rows and out_width - 2).
+    """
+    x_dtype, w_dtype, out_dtype = dtypes
+    x = make_values((batch, rank), x_dtype, gen, integers)
+    w_shape = (loras, 1, w_rows, rank) if w4d else (loras, w_rows, rank)
+    w = make_values(w_shape, w_dtype, gen, integers)
+    out = make_output((batch, out_width), out_dtype, gen, add, integers)
+    if op.startswith("bgmv"):
+        idx = bgmv_indices(batch, loras, pattern, gen, index_dtype)
+        args = [x, w, out, idx]
+    else:
+        segments = sgmv_segments(batch, loras, pattern, gen, index_dtype)
+        args = [x, w, out, *segments.args(batch)]
+    if op.endswith("_slice"):
+        if slice_size is None:
+            slice_size = max(0, min(w_rows, out_width - 2))
+        if slice_offset is None:
+            slice_offset = out_width - slice_size
+        args += [slice_offset, slice_size]
+    args.append(add)
+    return Call(op, args, 2, 0, 1, None, rank, add)
+
+
+def dispatch_call(
+    op,
+    dtypes,
+    *,
+    batch,
+    h_in,
+    h_out,
+    loras,
+    pattern,
+    gen,
+    integers=False,
+    scale=0.75,
+    layers=3,
+    layer=2,
+    pad_in=0,
+    pad_out=0,
+    y_offset=0,
+    y_extra=2,
+    index_dtype=torch.int64,
+) -> Call:
+    """dispatch_bgmv(_low_level): y[:, off:off+h_out] += scale * x @
+    w[idx, layer, :h_out, :h_in].T.
+
+    dispatch_bgmv uses all of w (pad_in, pad_out and y_offset must be 0).
+    """
+    x_dtype, w_dtype, out_dtype = dtypes
+    w_shape = (loras, layers, h_out + pad_out, h_in + pad_in)
+    w = make_values(w_shape, w_dtype, gen, integers)
+    x = make_values((batch, h_in), x_dtype, gen, integers)
+    y_shape = (batch, y_offset + h_out + y_extra)
+    y = make_output(y_shape, out_dtype, gen, True, integers)
+    idx = dispatch_indices(batch, loras, pattern, gen, index_dtype)
+    args = [y, x, w, idx, layer, scale]
+    if op == "dispatch_bgmv_low_level":
+        args += [h_in, h_out, y_offset]
+    else:
+        assert pad_in == pad_out == y_offset == 0
+    return Call(op, args, 0, 1, 2, 5, h_in, True)
+
+
+def run_kernel(call: Call, isa: str) -> torch.Tensor:
+    """Runs the op in place with KERNEL_THREADS threads; returns the
+    output."""
+    assert vllm_cpu_lora.isa() == isa
+    threads = torch.get_num_threads()
+    torch.set_num_threads(KERNEL_THREADS)
+    try:
+        getattr(call.api, call.op)(*call.args)
+    finally:
+        torch.set_num_threads(threads)
+    return call.output
+
+
+_ORACLE_CACHE: collections.OrderedDict = collections.OrderedDict()
+
+
+def _fingerprint(call: Call) -> str:
+    """A digest of everything the oracle's result depends on."""
+    digest = hashlib.sha1()
+    positions = (call.out, call.x, call.w, call.scale)
+    digest.update(repr((call.op, positions)).encode())
+    for arg in call.args:
+        if isinstance(arg, torch.Tensor):
+            digest.update(repr((arg.shape, arg.dtype)).encode())
+            digest.update(arg.contiguous().view(torch.uint8).numpy())
+        else:
+            digest.update(repr(arg).encode())
+    return digest.hexdigest()
+
+
+def oracle(call: Call) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float64 oracle's output and the magnitude S = |scale| * sum|x w|
+    (the oracle on absolute operands and an all-zero output).
+
+    Cached by the operands' content: the ISA instances of a test case run
+    back to back (see tests/conftest.py) on identical operands.
+    """
+    key = _fingerprint(call)
+    if key in _ORACLE_CACHE:
+        _ORACLE_CACHE.move_to_end(key)
+        return _ORACLE_CACHE[key]
+    abs_inputs = (call.x, call.w)
+    if call.scale is not None:
+        abs_inputs += (call.scale,)
+    want = run_oracle(call.op, call.args, call.out)
+    zero_args = list(call.args)
+    zero_args[call.out] = torch.zeros(call.output.shape, dtype=torch.float64)
+    magnitude = run_oracle(call.op, zero_args, call.out, abs_inputs)
+    _ORACLE_CACHE[key] = want, magnitude
+    while len(_ORACLE_CACHE) > 8:
+        _ORACLE_CACHE.popitem(last=False)
+    return want, magnitude
+
+
+def check(call: Call, isa: str) -> None:
+    """Runs `call` and checks it against the oracle's error bound."""
+    want, magnitude = oracle(call)
+    old = f64(call.output).clone()
+
+    got = run_kernel(call, isa)
+
+    assert_close_to_oracle(
+        got,
+        want,
+        magnitude,
+        old.abs() if call.add else None,
+        call.k,
+        *call.dtypes,
+    )
+    if call.add:
+        # Elements no product reaches (-1 rows, columns past the written
+        # width, tokens outside every segment) keep their value exactly.
+        # With random normal operands every written element has magnitude
+        # > 0.
+        untouched = magnitude == 0
+        torch.testing.assert_close(
+            f64(got)[untouched],
+            old[untouched],
+            rtol=0,
+            atol=0,
+            msg=lambda m: f"add mode changed elements it must leave alone\n{m}",
+        )
+
+
+def check_exact(call: Call, isa: str) -> None:
+    """Runs `call` (small-integer operands, power-of-two scale) and checks it
+    equals the oracle rounded to the output dtype bit for bit."""
+    want = oracle(call)[0].to(call.output.dtype)
+    got = run_kernel(call, isa)
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+# -------------------------------------------------- all dtype combinations --
+
+
+def moderate_calls(op, dtypes, gen, integers=False, scale=0.75):
+    """Calls on moderate shapes that reach both kernel blockings ("dot":
+    long reduction; "pack": output wider than the reduction), with odd
+    sizes, token tails and, for expand, both add modes."""
+    calls = []
+    if op in SHRINK_OPS:
+        for hidden, rank, w4d in ((37, 5, False), (3, 20, True)):
+            calls.append(
+                shrink_call(
+                    op,
+                    dtypes,
+                    batch=7,
+                    hidden=hidden,
+                    rank=rank,
+                    loras=3,
+                    pattern="mixed",
+                    gen=gen,
+                    integers=integers,
+                    scale=scale,
+                    w4d=w4d,
+                )
+            )
+    elif op in EXPAND_OPS:
+        # (rank, weight rows, output width): pack with rows < width; dot
+        # with rows > width (clipped).
+        for (rank, w_rows, width), add in itertools.product(
+            ((7, 45, 50), (40, 23, 17)), (False, True)
+        ):
+            calls.append(
+                expand_call(
+                    op,
+                    dtypes,
+                    batch=7,
+                    rank=rank,
+                    w_rows=w_rows,
+                    out_width=width,
+                    loras=3,
+                    pattern="mixed",
+                    add=add,
+                    gen=gen,
+                    integers=integers,
+                    w4d=add,
+                    slice_size=min(w_rows, width - 3),
+                )
+            )
+    else:
+        low_level = op == "dispatch_bgmv_low_level"
+        for h_in, h_out in ((37, 5), (7, 45)):
+            calls.append(
+                dispatch_call(
+                    op,
+                    dtypes,
+                    batch=7,
+                    h_in=h_in,
+                    h_out=h_out,
+                    loras=3,
+                    pattern="mixed",
+                    gen=gen,
+                    integers=integers,
+                    scale=scale,
+                    pad_in=3 if low_level else 0,
+                    pad_out=2 if low_level else 0,
+                    y_offset=4 if low_level else 0,
+                )
+            )
+    return calls
+
+
+@pytest.mark.parametrize("dtypes", ALL_DTYPE_COMBOS, ids=dtypes_id)
+@pytest.mark.parametrize("op", ALL_OPS)
+def test_all_dtype_combinations(op, dtypes, isa):
+    gen = make_generator("dtypes", op, dtypes)
+    for call in moderate_calls(op, dtypes, gen):
+        check(call, isa)
+
+
+# ----------------------------------------------------------- larger grid --
+
+# (batch, hidden, rank, loras). Together they take every H in {1, 2, 15, 33,
+# 2049}, rank in {1, 3, 16, 64, 256}, L in {1, 4, 128} and batch in {0, 1, 5,
+# 37}, both blockings, the token tails of every tile height and the threaded
+# path (>= 2^18 multiply-adds).
+SHRINK_SHAPES = (
+    (0, 33, 16, 4),
+    (1, 1, 1, 1),
+    (1, 2049, 256, 1),
+    (5, 1, 64, 4),
+    (5, 2, 3, 128),
+    (5, 15, 256, 4),
+    (37, 33, 16, 128),
+    (37, 2049, 64, 4),
+    (37, 15, 1, 1),
+    (5, 2049, 3, 128),
+    (37, 2, 256, 4),
+    (1, 33, 64, 128),
+)
+
+# (batch, rank, weight rows, output width, loras), output width in {1, 17,
+# 100, 4099}; weight rows both above (clipped) and below the output width.
+EXPAND_SHAPES = (
+    (0, 16, 100, 100, 4),
+    (1, 1, 1, 1, 1),
+    (1, 256, 4099, 4099, 1),
+    (5, 3, 4099, 4099, 4),
+    (5, 64, 17, 17, 128),
+    (37, 16, 4099, 4099, 4),
+    (37, 1, 100, 100, 128),
+    (37, 256, 100, 100, 4),
+    (5, 256, 17, 17, 4),
+    (5, 16, 120, 100, 4),
+    (37, 3, 17, 100, 128),
+    (5, 64, 4099, 4099, 4),
+)
+
+
+def _rotation(shape_index: int, dtype_index: int) -> dict:
+    """Index pattern, add mode, weight layout and index dtype for one grid
+    point: across its four dtype combinations every shape meets every index
+    pattern, both add modes, both weight layouts and both index dtypes."""
+    turn = shape_index + dtype_index
+    return {
+        "pattern": PATTERNS[turn % len(PATTERNS)],
+        "add": (turn // 2 + shape_index) % 2 == 1,
+        "w4d": dtype_index % 2 == 1,
+        "index_dtype": torch.int32 if turn % 2 else torch.int64,
+    }
+
+
+@pytest.mark.parametrize(
+    "shape", SHRINK_SHAPES, ids=lambda s: "B{}-H{}-r{}-L{}".format(*s)
+)
+@pytest.mark.parametrize("dtypes", SHRINK_FAST_COMBOS, ids=dtypes_id)
+@pytest.mark.parametrize("op", SHRINK_OPS)
+def test_shrink_grid(op, dtypes, shape, isa):
+    batch, hidden, rank, loras = shape
+    shape_index = SHRINK_SHAPES.index(shape)
+    rotation = _rotation(shape_index, SHRINK_FAST_COMBOS.index(dtypes))
+    del rotation["add"]
+    gen = make_generator("shrink_grid", op, dtypes, shape)
+    call = shrink_call(
+        op,
+        dtypes,
+        batch=batch,
+        hidden=hidden,
+        rank=rank,
+        loras=loras,
+        gen=gen,
+        scale=(0.5, -1.3, 2.0)[shape_index % 3],
+        **rotation,
+    )
+    check(call, isa)
+
+
+@pytest.mark.parametrize(
+    "shape", EXPAND_SHAPES, ids=lambda s: "B{}-r{}-rows{}-Hout{}-L{}".format(*s)
+)
+@pytest.mark.parametrize("dtypes", EXPAND_FAST_COMBOS, ids=dtypes_id)
+@pytest.mark.parametrize("op", EXPAND_OPS)
+def test_expand_grid(op, dtypes, shape, isa):
+    """Slice ops write the last `Hout` columns of a 5 wider output."""
+    batch, rank, w_rows, width, loras = shape
+    rotation = _rotation(
+        EXPAND_SHAPES.index(shape), EXPAND_FAST_COMBOS.index(dtypes)
+    )
+    gen = make_generator("expand_grid", op, dtypes, shape)
+    call = expand_call(
+        op,
+        dtypes,
+        batch=batch,
+        rank=rank,
+        w_rows=w_rows,
+        out_width=width + (5 if op.endswith("_slice") else 0),
+        loras=loras,
+        gen=gen,
+        slice_size=width,
+        **rotation,
+    )
+    check(call, isa)
+
+
+# (batch, h_in, h_out, loras, pad_in, pad_out, y_offset)
+DISPATCH_SHAPES = (
+    (0, 33, 16, 2, 1, 1, 3),
+    (1, 1, 1, 1, 0, 0, 0),
+    (5, 2049, 16, 4, 3, 5, 7),
+    (37, 16, 4099, 4, 0, 1, 1),
+    (37, 64, 17, 128, 2, 0, 0),
+    (5, 3, 100, 4, 1, 3, 9),
+)
+
+
+DISPATCH_COMBOS = (SHRINK_FAST_COMBOS[0], *EXPAND_FAST_COMBOS)
+
+
+@pytest.mark.parametrize(
+    "shape",
+    DISPATCH_SHAPES,
+    ids=lambda s: "B{}-in{}-out{}-L{}-pads{}.{}-off{}".format(*s),
+)
+@pytest.mark.parametrize("dtypes", DISPATCH_COMBOS, ids=dtypes_id)
+@pytest.mark.parametrize("op", DISPATCH_OPS)
+def test_dispatch_grid(op, dtypes, shape, isa):
+    """dispatch_bgmv ignores the pads and offset (it uses all of w)."""
+    batch, h_in, h_out, loras, pad_in, pad_out, y_offset = shape
+    shape_index = DISPATCH_SHAPES.index(shape)
+    rotation = _rotation(shape_index, DISPATCH_COMBOS.index(dtypes))
+    gen = make_generator("dispatch_grid", op, dtypes, shape)
+    if op == "dispatch_bgmv":
+        pad_in = pad_out = y_offset = 0
+    call = dispatch_call(
+        op,
+        dtypes,
+        batch=batch,
+        h_in=h_in,
+        h_out=h_out,
+        loras=loras,
+        pattern=rotation["pattern"],
+        gen=gen,
+        scale=(0.5, -1.3, 2.0)[shape_index % 3],
+        layers=1 + shape_index % 3,
+        layer=shape_index % 3,
+        pad_in=pad_in,
+        pad_out=pad_out,
+        y_offset=y_offset,
+        index_dtype=rotation["index_dtype"],
+    )
+    check(call, isa)
+
+
+# --------------------------------------------------------- exact integers --
+
+
+EXACT_PATTERNS = ("mixed", "distinct", "same", "mixed")
+
+
+def exact_calls(op, dtypes, gen):
+    """Small-integer operands on odd sizes (H 2049 and 33) and ranks 1, 3,
+    16 and 64, both blockings; scales are powers of two, so every
+    intermediate of the kernel is exact."""
+    calls = []
+    if op in SHRINK_OPS:
+        shapes = ((6, 2049, 3), (9, 33, 1), (5, 2, 16), (3, 33, 64))
+        for i, (batch, hidden, rank) in enumerate(shapes):
+            calls.append(
+                shrink_call(
+                    op,
+                    dtypes,
+                    batch=batch,
+                    hidden=hidden,
+                    rank=rank,
+                    loras=3,
+                    pattern=EXACT_PATTERNS[i],
+                    gen=gen,
+                    integers=True,
+                    scale=(0.5, -2.0, 0.25, 1.0)[i],
+                    w4d=i % 2 == 1,
+                )
+            )
+    elif op in EXPAND_OPS:
+        # (batch, rank, weight rows, output width)
+        shapes = ((6, 1, 33, 33), (9, 3, 2049, 2049), (5, 16, 90, 100))
+        shapes += ((7, 64, 20, 17),)
+        for i, (batch, rank, w_rows, width) in enumerate(shapes):
+            calls.append(
+                expand_call(
+                    op,
+                    dtypes,
+                    batch=batch,
+                    rank=rank,
+                    w_rows=w_rows,
+                    out_width=width + (4 if op.endswith("_slice") else 0),
+                    loras=3,
+                    pattern=EXACT_PATTERNS[i],
+                    add=i % 2 == 0,
+                    gen=gen,
+                    integers=True,
+                    w4d=i % 2 == 1,
+                    slice_size=width,
+                    # Slices at the end, or in the middle.
+                    slice_offset=2 if i % 2 else None,
+                )
+            )
+    else:
+        low_level = op == "dispatch_bgmv_low_level"
+        for i, (h_in, h_out) in enumerate(((2049, 3), (3, 33), (33, 1))):
+            calls.append(
+                dispatch_call(
+                    op,
+                    dtypes,
+                    batch=6,
+                    h_in=h_in,
+                    h_out=h_out,
+                    loras=3,
+                    pattern=EXACT_PATTERNS[i],
+                    gen=gen,
+                    integers=True,
+                    scale=(0.5, -2.0, 1.0)[i],
+                    layer=1 + i % 2,
+                    pad_in=2 if low_level else 0,
+                    pad_out=3 if low_level else 0,
+                    y_offset=5 if low_level else 0,
+                )
+            )
+    return calls
+
+
+@pytest.mark.parametrize("dtypes", ALL_DTYPE_COMBOS, ids=dtypes_id)
+@pytest.mark.parametrize("op", ALL_OPS)
+def test_exact_integers(op, dtypes, isa):
+    gen = make_generator("exact", op, dtypes)
+    for call in exact_calls(op, dtypes, gen):
+        check_exact(call, isa)
+
+
+# ------------------------------------------------------ memory layouts --
+
+
+def transposed(t: torch.Tensor) -> torch.Tensor:
+    """The same values with the last two dimensions swapped in memory, so
+    the last dimension is not contiguous."""
+    return t.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
+def embedded(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same values in a view of a larger NaN buffer: the first
+    dimension steps by 2 and every other one sits inside padding, so all
+    strides but the last exceed the contiguous ones. Returns (view,
+    buffer)."""
+    shape = [2 * t.size(0) + 1] + [s + 5 for s in t.shape[1:]]
+    if t.is_floating_point():
+        buffer = torch.full(shape, NAN, dtype=t.dtype)
+    else:
+        buffer = torch.full(shape, 1 << 20, dtype=t.dtype)
+    index = (slice(1, 1 + 2 * t.size(0), 2),)
+    index += tuple(slice(2, 2 + s) for s in t.shape[1:])
+    view = buffer[index]
+    view.copy_(t)
+    return view, buffer
+
+
+def base_call(op, dtypes, gen) -> Call:
+    """A representative call of `op` (mixed indices, odd sizes)."""
+    if op in SHRINK_OPS:
+        return shrink_call(
+            op,
+            dtypes,
+            batch=9,
+            hidden=70,
+            rank=6,
+            loras=3,
+            pattern="mixed",
+            gen=gen,
+        )
+    if op in EXPAND_OPS:
+        return expand_call(
+            op,
+            dtypes,
+            batch=9,
+            rank=6,
+            w_rows=70,
+            out_width=75,
+            loras=3,
+            pattern="mixed",
+            add=False,
+            gen=gen,
+        )
+    low_level = op == "dispatch_bgmv_low_level"
+    return dispatch_call(
+        op,
+        dtypes,
+        batch=9,
+        h_in=21,
+        h_out=40,
+        loras=3,
+        pattern="mixed",
+        gen=gen,
+        pad_in=2 if low_level else 0,
+        pad_out=1 if low_level else 0,
+        y_offset=3 if low_level else 0,
+    )
+
+
+LAYOUTS = ("transposed", "embedded", "broadcast")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize(
+    "dtypes",
+    ((F32, F32, F32), (BF16, BF16, F32), (F32, BF16, BF16)),
+    ids=dtypes_id,
+)
+@pytest.mark.parametrize("op", ALL_OPS)
+def test_non_contiguous(op, dtypes, layout, isa):
+    """Strided views give the same results as contiguous tensors.
+
+    "transposed": inputs and weights with a non-contiguous last dimension.
+    "embedded": inputs, weights, output and index tensors as views into
+    larger buffers (the output's surroundings must stay NaN). "broadcast":
+    every input row and every adapter the same memory (stride 0).
+    """
+    call = base_call(op, dtypes, make_generator("layout", op, dtypes, layout))
+    args = call.args
+    out_buffer = None
+    if layout == "transposed":
+        args[call.x] = transposed(args[call.x])
+        args[call.w] = transposed(args[call.w])
+        assert args[call.x].stride(-1) != 1
+        assert args[call.w].stride(-1) != 1
+    elif layout == "embedded":
+        for i, arg in enumerate(args):
+            if isinstance(arg, torch.Tensor):
+                args[i], buffer = embedded(arg)
+                if i == call.out:
+                    out_buffer = buffer
+    else:
+        x, w = args[call.x], args[call.w]
+        args[call.x] = x[:1].expand(x.shape)
+        args[call.w] = w[:1].expand(w.shape)
+    check(call, isa)
+    if out_buffer is not None:
+        outside = torch.ones(out_buffer.shape, dtype=torch.bool)
+        outside[1 : 1 + 2 * call.output.size(0) : 2, 2:-3] = False
+        assert out_buffer[outside].isnan().all(), "wrote outside the output"
+
+
+# ------------------------------------------------------------ edge cases --
+
+
+@pytest.mark.parametrize("op", ALL_OPS)
+def test_empty_reduction(op, isa):
+    """Hidden size / rank / h_in 0: the products are 0 (shrink and overwrite
+    expand write zeros, add mode changes nothing)."""
+    gen = make_generator("empty", op)
+    dtypes = (F32, BF16, BF16)
+    if op in SHRINK_OPS:
+        calls = [
+            shrink_call(
+                op,
+                dtypes,
+                batch=5,
+                hidden=0,
+                rank=4,
+                loras=2,
+                pattern="mixed",
+                gen=gen,
+            )
+        ]
+    elif op in EXPAND_OPS:
+        calls = [
+            expand_call(
+                op,
+                dtypes,
+                batch=5,
+                rank=0,
+                w_rows=6,
+                out_width=9,
+                loras=2,
+                pattern="mixed",
+                add=add,
+                gen=gen,
+            )
+            for add in (False, True)
+        ]
+    else:
+        calls = [
+            dispatch_call(
+                op,
+                dtypes,
+                batch=5,
+                h_in=0,
+                h_out=6,
+                loras=2,
+                pattern="mixed",
+                gen=gen,
+                layer=1,
+            )
+        ]
+    for call in calls:
+        check(call, isa)
+
+
+@pytest.mark.parametrize("op", ("sgmv_shrink", "sgmv_expand_slice"))
+def test_sgmv_no_segments(op, isa):
+    """batches == 0 touches nothing, not even shrink's -1 zeroing."""
+    gen = make_generator("no_segments", op)
+    builder = shrink_call if op == "sgmv_shrink" else expand_call
+    sizes = (
+        {"hidden": 8, "rank": 4}
+        if op == "sgmv_shrink"
+        else {"rank": 4, "w_rows": 8, "out_width": 10, "add": False}
+    )
+    call = builder(
+        op,
+        (F32, F32, F32),
+        batch=6,
+        loras=2,
+        pattern="same",
+        gen=gen,
+        **sizes,
+    )
+    call.args[6] = 0  # batches
+    check(call, isa)
+    assert call.output.isnan().all()
+
+
+@pytest.mark.parametrize("op", ("bgmv_shrink", *EXPAND_OPS))
+def test_torch_ops_defaults(op, isa):
+    """torch.ops.vllm_cpu_lora.<op> called without its optional arguments
+    matches the reference's defaults (bgmv_shrink: scaling 1; add_inputs
+    True for bgmv, False for sgmv)."""
+    gen = make_generator("defaults", op)
+    call = base_call(op, (BF16, BF16, F32), gen)
+    if op == "bgmv_shrink":
+        call.args.pop()  # scaling
+        call.scale = None
+    else:
+        call.args.pop()  # add_inputs
+        call.add = op.startswith("bgmv")
+        if call.add:
+            call.args[call.out] = make_values(call.output.shape, F32, gen)
+    call.api = torch.ops.vllm_cpu_lora
+    check(call, isa)
+
+
+def test_ops_module_reaches_the_kernels(monkeypatch):
+    """vllm_cpu_lora.ops sends CPU tensors to the C++ ops (not to the
+    reference): an unknown forced ISA makes the C++ dispatch fail."""
+    monkeypatch.setenv("VLLM_CPU_LORA_ISA", "no_such_isa")
+    call = base_call("bgmv_shrink", (F32, F32, F32), make_generator("isa"))
+    with pytest.raises(RuntimeError, match="not a known ISA"):
+        ops.bgmv_shrink(*call.args)
+
+
+# ------------------------------------------------ registration and tracing --
+
+
+def opcheck_args(op, variant):
+    """Representative arguments for opcheck: variant 0 all fp32, variant 1
+    the mixed fast dtypes; finite outputs (opcheck compares them)."""
+    gen = make_generator("opcheck", op, variant)
+    if variant == 0:
+        dtypes = (F32, F32, F32)
+    elif op in SHRINK_OPS:
+        dtypes = SHRINK_FAST_COMBOS[0]
+    else:
+        dtypes = EXPAND_FAST_COMBOS[0]
+    call = base_call(op, dtypes, gen)
+    call.args[call.out] = make_values(call.output.shape, dtypes[2], gen)
+    if op in EXPAND_OPS:
+        call.args[-1] = variant == 1  # add_inputs
+    return tuple(call.args)
+
+
+@pytest.mark.parametrize("variant", (0, 1))
+@pytest.mark.parametrize("op", ALL_OPS)
+def test_opcheck(op, variant):
+    """Schema (mutation annotations), fake impl and autograd registration of
+    torch.ops.vllm_cpu_lora.<op> pass torch.library.opcheck."""
+    overload = getattr(torch.ops.vllm_cpu_lora, op).default
+    torch.library.opcheck(overload, opcheck_args(op, variant))
+
+
+def _lora_model(x, a, b, buf, out, idx, starts, lengths, adapters, y, w):
+    """Calls every op once, the way a LoRA layer chains them."""
+    tokens = x.size(0)
+    ops.bgmv_shrink(x, a, buf, idx, 0.5)
+    ops.bgmv_expand(buf, b, out, idx, True)
+    ops.bgmv_expand_slice(buf, b, out, idx, 10, 20, True)
+    ops.sgmv_shrink(x, a, buf, starts, lengths, adapters, 3, 5, tokens, 2.0)
+    ops.sgmv_expand(buf, b, out, starts, lengths, adapters, 3, 5, tokens)
+    ops.sgmv_expand_slice(
+        buf, b, out, starts, lengths, adapters, 3, 5, tokens, 30, 9, True
+    )
+    ops.dispatch_bgmv(y, x, w, idx, 1, 0.25)
+    ops.dispatch_bgmv_low_level(y, buf, b.unsqueeze(1), idx, 0, 1.5, 4, 5, 2)
+    return out * 2, y + 1
+
+
+def _model_inputs():
+    gen = make_generator("compile")
+    tokens, hidden, rank, width, loras = 11, 24, 4, 40, 3
+    return (
+        make_values((tokens, hidden), BF16, gen),  # x
+        make_values((loras, rank, hidden), BF16, gen),  # a
+        make_values((loras, width, rank), BF16, gen),  # b
+        torch.zeros(tokens, rank),  # buf
+        make_values((tokens, width), BF16, gen),  # out
+        torch.tensor([0, 2, -1, 1, 1, 0, -1, 2, 2, 0, 1]),  # idx
+        torch.tensor([6, 0, 3]),  # starts
+        torch.tensor([5, 3, 0]),  # lengths
+        torch.tensor([1, -1, 2]),  # adapters
+        make_values((tokens, rank + 3), F32, gen),  # y
+        make_values((loras, 2, rank + 3, hidden), BF16, gen),  # w
+    )
+
+
+def test_torch_compile_fullgraph():
+    """A function calling every op traces in one graph (through the fake
+    impls) and gives the eager results, returned and mutated alike.
+
+    aot_eager runs the traced, functionalized graph on the real kernels;
+    inductor would add ~30 s of C++ compilation for the same check.
+    """
+    torch._dynamo.reset()
+    eager_inputs = _model_inputs()
+    compiled_inputs = _model_inputs()
+    graphs = []
+
+    def recording_backend(gm, example_inputs):
+        graphs.append(gm)
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+    compiled = torch.compile(
+        _lora_model, backend=recording_backend, fullgraph=True
+    )
+    want = _lora_model(*eager_inputs)
+    got = compiled(*compiled_inputs)
+
+    assert len(graphs) == 1
+    called = {
+        node.target
+        for node in graphs[0].graph.nodes
+        if node.op == "call_function"
+    }
+    for op in ALL_OPS:
+        assert getattr(torch.ops.vllm_cpu_lora, op).default in called or (
+            getattr(torch.ops.vllm_cpu_lora, op) in called
+        ), f"{op} is not in the traced graph"
+    for w, g in zip(want, got, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    for w, g in zip(eager_inputs, compiled_inputs, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "dtypes", (SHRINK_FAST_COMBOS[0], EXPAND_FAST_COMBOS[0]), ids=dtypes_id
+)
+@pytest.mark.parametrize("op", ("bgmv_shrink", "sgmv_expand", "bgmv_expand"))
+def test_default_isa(op, dtypes, monkeypatch):
+    """Without VLLM_CPU_LORA_ISA the best path runs, with its own per-call
+    choices (e.g. AMX tiles only for large groups): adapter groups of 1 to
+    40 tokens in one call."""
+    monkeypatch.delenv("VLLM_CPU_LORA_ISA", raising=False)
+    best = vllm_cpu_lora.isa()
+    assert best == vllm_cpu_lora.supported_isas()[0]
+    gen = make_generator("default_isa", op, dtypes)
+    batch, loras = 60, 4
+    if op == "sgmv_expand":
+        segments = Segments(
+            starts=torch.tensor([0, 40, 41, 56]),
+            lengths=torch.tensor([40, 1, 15, 4]),
+            adapters=torch.tensor([2, 0, 3, 1]),
+            batches=4,
+            max_seq_length=40,
+        )
+    for rank, wide in ((16, 100), (64, 17)):
+        if op == "bgmv_shrink":
+            call = shrink_call(
+                op,
+                dtypes,
+                batch=batch,
+                hidden=wide + 16,
+                rank=rank,
+                loras=loras,
+                pattern="mixed",
+                gen=gen,
+            )
+            # One large group, a few small ones, and -1 rows.
+            call.args[3][:batch] = torch.tensor(
+                [2] * 40 + [0] + [3] * 15 + [1] * 3 + [-1]
+            )
+        else:
+            call = expand_call(
+                op,
+                dtypes,
+                batch=batch,
+                rank=rank,
+                w_rows=wide,
+                out_width=wide,
+                loras=loras,
+                pattern="distinct",
+                add=rank == 16,
+                gen=gen,
+            )
+            if op == "sgmv_expand":
+                call.args[3:9] = segments.args(batch)
+            else:
+                call.args[3] = torch.tensor([2, 3, 0] * 14 + [1] * 17 + [-1])
+        check(call, best)
