@@ -18,6 +18,8 @@ _FLAGS = [
     # GCC 12 false positives inside its own AVX-512 intrinsic headers.
     "-Wno-maybe-uninitialized",
     "-Wno-uninitialized",
+    # at::parallel_for is header code: without OpenMP it runs serially.
+    "-fopenmp",
 ]
 if os.environ.get("VLLM_CPU_LORA_SANITIZE"):
     # ASan + UBSan build for the hardening tests (see scripts/sanitize.sh).
@@ -28,6 +30,7 @@ if os.environ.get("VLLM_CPU_LORA_SANITIZE"):
         "-fsanitize=address,undefined",
         "-fno-omit-frame-pointer",
         "-fno-sanitize-recover=undefined",
+        "-fopenmp",
     ]
 
 setup(
@@ -36,7 +39,8 @@ setup(
             "vllm_cpu_lora._C",
             sorted(glob.glob("csrc/cpu/*.cpp")),
             extra_compile_args=_FLAGS,
-            extra_link_args=(
+            extra_link_args=["-fopenmp"]
+            + (
                 ["-fsanitize=address,undefined"]
                 if os.environ.get("VLLM_CPU_LORA_SANITIZE")
                 else []

@@ -217,13 +217,14 @@ def dispatch_bgmv_low_level(
     h_out: int,
     y_offset: int,
 ) -> None:
-    """Legacy punica: ``y[:, off:off+h_out] += scale * x[:, :h_in] @
-    w[idx, layer_idx, :h_out, :h_in].T``; idx < 0 skips the row."""
+    """Legacy punica: ``y[:, off:off+h_out] += scale * x @
+    w[idx, layer_idx, :h_out, :h_in].T``, x having exactly h_in columns;
+    idx < 0 skips the row."""
     dtype = _compute_dtype(y.dtype)
     weights = w[:, layer_idx, :h_out, :h_in]
     indices = indicies.long()
     indices = torch.where(indices < 0, -1, indices)
-    rows, products = _gather_matvec(x[:, :h_in], weights, indices, dtype)
+    rows, products = _gather_matvec(x, weights, indices, dtype)
     target = y[:, y_offset : y_offset + h_out]
     target[rows] = (target[rows].to(dtype) + scale * products).to(y.dtype)
 

@@ -82,11 +82,11 @@ struct AmxKernel {
     }
   }
 
+  // Tokens tok[0..mt) (rows of X) times the packed columns [n, n + nc).
   static void Tiles(const LoraArgs& a, const int64_t* tok, int mt, int64_t n,
-                    int nc, const uint32_t* P, uint16_t* X, float* C) {
+                    int nc, const uint32_t* P, const uint16_t* X, float* C) {
     const int64_t pair_rows = PairRows(a.k);
     const int64_t width = 2 * pair_rows;  // bf16 per A row.
-    GatherRows(a, tok, mt, width, X);
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
@@ -124,12 +124,17 @@ struct AmxKernel {
     }
   }
 
+  // Per work item: pack all of its columns (PairRows(k) x 64 per block of 64
+  // columns), then per 16 tokens gather their inputs once and sweep along
+  // the columns, so output rows are written front to back.
   template <KernelFn kFallback>
   static void Run(const LoraArgs& a, const WorkItem* items, int64_t begin,
                   int64_t end) {
     const int64_t pair_rows = PairRows(a.k);
+    const int64_t block_size = pair_rows * kNT;
     std::unique_ptr<uint32_t[]> P;
     std::unique_ptr<uint16_t[]> X;
+    int64_t packed_blocks = 0;
     alignas(64) float C[kTileRows * kNT];
     bool configured = false;
     const c10::BFloat16* w = static_cast<const c10::BFloat16*>(a.w);
@@ -141,20 +146,32 @@ struct AmxKernel {
         continue;
       }
       if (!configured) {
-        P.reset(new uint32_t[pair_rows * kNT]);
         X.reset(new uint16_t[kTileRows * 2 * pair_rows]);
         ConfigureTiles();
         configured = true;
       }
+      const int64_t blocks = (item.n1 - item.n0 + kNT - 1) / kNT;
+      if (blocks > packed_blocks) {
+        P.reset(new uint32_t[blocks * block_size]);
+        packed_blocks = blocks;
+      }
+      auto block_cols = [&](int64_t b) {
+        return static_cast<int>(
+            std::min<int64_t>(kNT, item.n1 - item.n0 - b * kNT));
+      };
       const int64_t* tok = a.tokens + g.token_begin;
       const c10::BFloat16* wa = w + g.adapter * a.w_adapter_stride;
-      for (int64_t n = item.n0; n < item.n1; n += kNT) {
-        const int nc = static_cast<int>(std::min<int64_t>(kNT, item.n1 - n));
-        PackAll(wa + n * a.w_row_stride, a.w_row_stride, a.k, nc, P.get());
-        for (int64_t m = item.m0; m < item.m1; m += kTileRows) {
-          const int mt =
-              static_cast<int>(std::min<int64_t>(kTileRows, item.m1 - m));
-          Tiles(a, tok + m, mt, n, nc, P.get(), X.get(), C);
+      for (int64_t b = 0; b < blocks; ++b) {
+        PackAll(wa + (item.n0 + b * kNT) * a.w_row_stride, a.w_row_stride, a.k,
+                block_cols(b), P.get() + b * block_size);
+      }
+      for (int64_t m = item.m0; m < item.m1; m += kTileRows) {
+        const int mt =
+            static_cast<int>(std::min<int64_t>(kTileRows, item.m1 - m));
+        GatherRows(a, tok + m, mt, 2 * pair_rows, X.get());
+        for (int64_t b = 0; b < blocks; ++b) {
+          Tiles(a, tok + m, mt, item.n0 + b * kNT, block_cols(b),
+                P.get() + b * block_size, X.get(), C);
         }
       }
     }

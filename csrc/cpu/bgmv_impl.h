@@ -166,6 +166,12 @@ struct LoraKernel {
       int64_t m = item.m0;
       for (; m + kTM <= item.m1; m += kTM)
         DotBlock<kTM, kTN>(a, wa, tok + m, item.n0, item.n1);
+      // Two tokens share each weight load (adapters with 2-3 tokens are
+      // common in decode batches).
+      if constexpr (kTM > 2) {
+        for (; m + 2 <= item.m1; m += 2)
+          DotBlock<2, 2 * kTN>(a, wa, tok + m, item.n0, item.n1);
+      }
       for (; m < item.m1; ++m)
         DotBlock<1, 2 * kTN>(a, wa, tok + m, item.n0, item.n1);
     }
@@ -226,12 +232,13 @@ struct LoraKernel {
   }
 
   // out rows tok[0..MT), columns [n, n + nc): the packed block P times the
-  // converted inputs xc (rows entries per token).
-  template <int MT>
+  // converted inputs xc (rows entries per token). kFull: nc == kNT, known at
+  // compile time so the accumulators stay in registers.
+  template <int MT, bool kFull>
   static void PackTile(const LoraArgs& a, const PackT* P, const PackT* xc,
                        int64_t rows, const int64_t* tok, int64_t n, int nc) {
     TO* out = static_cast<TO*>(a.out);
-    const int nv = (nc + kL - 1) / kL;  // Vectors in use, <= kNV.
+    const int nv = kFull ? kNV : (nc + kL - 1) / kL;  // Vectors in use.
     F acc[MT][kNV];
     for (int i = 0; i < MT; ++i)
       for (int v = 0; v < kNV; ++v) acc[i][v] = V::Zero();
@@ -279,33 +286,63 @@ struct LoraKernel {
     }
   }
 
+  // Per work item: convert its tokens' inputs, pack all of its columns
+  // (one kNT-column block after another, rows * kNT entries each), then
+  // sweep each token tile along the columns, so every output row is written
+  // front to back (output traffic dominates a large expand).
   static void RunPack(const LoraArgs& a, const WorkItem* items, int64_t begin,
                       int64_t end) {
-    alignas(64) PackT P[kPackRows * kNT];
     const int64_t rows = kPairs ? (a.k + 1) / 2 : a.k;
-    std::unique_ptr<PackT[]> xc;
-    int64_t xc_tokens = 0;
+    std::unique_ptr<PackT[]> xc, packed;
+    int64_t xc_tokens = 0, packed_blocks = 0;
     const TW* w = static_cast<const TW*>(a.w);
     for (int64_t it = begin; it < end; ++it) {
       const WorkItem& item = items[it];
       const Group& g = a.groups[item.group];
       const int64_t* tok = a.tokens + g.token_begin + item.m0;
       const int64_t count = item.m1 - item.m0;
+      const int64_t blocks = (item.n1 - item.n0 + kNT - 1) / kNT;
       if (count > xc_tokens) {
         xc.reset(new PackT[count * rows]);
         xc_tokens = count;
       }
+      if (blocks > packed_blocks) {
+        packed.reset(new PackT[blocks * rows * kNT]);
+        packed_blocks = blocks;
+      }
       ConvertInputs(a, tok, count, xc.get());
       const TW* wa = w + g.adapter * a.w_adapter_stride;
-      for (int64_t n = item.n0; n < item.n1; n += kNT) {
-        const int nc = static_cast<int>(std::min<int64_t>(kNT, item.n1 - n));
-        Pack(wa + n * a.w_row_stride, a.w_row_stride, a.k, nc, P);
-        int64_t m = 0;
-        for (; m + kTM <= count; m += kTM)
-          PackTile<kTM>(a, P, xc.get() + m * rows, rows, tok + m, n, nc);
-        for (; m < count; ++m)
-          PackTile<1>(a, P, xc.get() + m * rows, rows, tok + m, n, nc);
+      auto block_cols = [&](int64_t b) {
+        return static_cast<int>(
+            std::min<int64_t>(kNT, item.n1 - item.n0 - b * kNT));
+      };
+      for (int64_t b = 0; b < blocks; ++b) {
+        Pack(wa + (item.n0 + b * kNT) * a.w_row_stride, a.w_row_stride, a.k,
+             block_cols(b), packed.get() + b * rows * kNT);
       }
+      auto sweep = [&](auto tile_m, int64_t m) {
+        constexpr int kMT = decltype(tile_m)::value;
+        for (int64_t b = 0; b < blocks; ++b) {
+          const int nc = block_cols(b);
+          const PackT* block = packed.get() + b * rows * kNT;
+          const int64_t n = item.n0 + b * kNT;
+          if (nc == kNT) {
+            PackTile<kMT, true>(a, block, xc.get() + m * rows, rows, tok + m, n,
+                                nc);
+          } else {
+            PackTile<kMT, false>(a, block, xc.get() + m * rows, rows, tok + m,
+                                 n, nc);
+          }
+        }
+      };
+      int64_t m = 0;
+      for (; m + kTM <= count; m += kTM)
+        sweep(std::integral_constant<int, kTM>{}, m);
+      if constexpr (kTM > 2) {
+        for (; m + 2 <= count; m += 2)
+          sweep(std::integral_constant<int, 2>{}, m);
+      }
+      for (; m < count; ++m) sweep(std::integral_constant<int, 1>{}, m);
     }
   }
 };

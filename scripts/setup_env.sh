@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Creates .venv (once) with the pinned CPU torch and the test/bench tools, then
+# builds the extension against that torch (--no-build-isolation: the C++ ABI
+# must match the torch it runs with). Safe to rerun; a rerun rebuilds only
+# what changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+python=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$python" -m venv .venv
+fi
+# shellcheck disable=SC1091
+. .venv/bin/activate
+
+# Always pin torch: an unpinned torch pulls a multi-GB CUDA build.
+pip install -q "torch==2.13.0" setuptools wheel ninja \
+  pytest hypothesis expecttest numpy matplotlib
+pip install -q --no-build-isolation -e .
+python -c "import vllm_cpu_lora as v; print('vllm_cpu_lora built; ISA paths:', v.supported_isas())"
