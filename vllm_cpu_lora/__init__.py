@@ -7,8 +7,11 @@ run the C++ kernels of `torch.ops.vllm_cpu_lora`, others the pure-torch
 
 import torch
 
-from vllm_cpu_lora import _C  # noqa: F401  (registers torch.ops.vllm_cpu_lora)
-from vllm_cpu_lora import ops, reference
+from vllm_cpu_lora import (
+    _C,  # noqa: F401  (registers torch.ops.vllm_cpu_lora)
+    ops,
+    reference,
+)
 
 __all__ = ["isa", "ops", "reference", "supported_isas"]
 

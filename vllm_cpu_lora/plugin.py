@@ -1,0 +1,86 @@
+"""vLLM plug-in: LoRA on vLLM's CPU platform through this package's kernels.
+
+Installed as the `vllm_cpu_lora` entry point of the `vllm.general_plugins`
+group (see pyproject.toml), which vLLM loads in each of its processes (front
+end, engine core, workers) before any LoRA layer exists. `register()` makes
+the CPU platform's `get_punica_wrapper()` name
+`vllm_cpu_lora.punica.PunicaWrapperCPULoRA`, so vLLM's LoRA model manager
+builds that wrapper instead of `PunicaWrapperCPU`.
+
+It changes nothing:
+
+* on platforms other than vLLM's CPU platform;
+* when `VLLM_CPU_LORA_DISABLE` is set to anything but "" or "0" (vLLM's own
+  `PunicaWrapperCPU` and torch ops run then);
+* when this package's C++ extension cannot be loaded (it logs why).
+
+If `VLLM_PLUGINS` is set, it is an allow-list: name `vllm_cpu_lora` in it.
+"""
+
+import logging
+import os
+
+__all__ = ["WRAPPER", "register"]
+
+WRAPPER = "vllm_cpu_lora.punica.PunicaWrapperCPULoRA"
+DISABLE_ENV = "VLLM_CPU_LORA_DISABLE"
+
+# Under "vllm" so that vLLM's logging configuration (handler, level,
+# format) applies to it.
+logger = logging.getLogger("vllm.plugins." + __name__)
+
+_done = False
+
+
+def _disabled() -> bool:
+    return os.environ.get(DISABLE_ENV, "0").strip() not in ("", "0")
+
+
+def register() -> None:
+    """Routes vLLM's CPU LoRA through `vllm_cpu_lora` (see module doc).
+
+    Safe to call more than once, and in every process: only the first call
+    in a process acts and logs.
+    """
+    global _done
+    if _done:
+        return
+    _done = True
+
+    if _disabled():
+        logger.info(
+            "vllm_cpu_lora: %s is set; vLLM's own CPU LoRA path is used",
+            DISABLE_ENV,
+        )
+        return
+
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        logger.debug(
+            "vllm_cpu_lora: platform %s is not vLLM's CPU platform; "
+            "nothing to do",
+            type(current_platform).__name__,
+        )
+        return
+
+    try:
+        import vllm_cpu_lora
+        from vllm_cpu_lora import punica
+
+        isa = vllm_cpu_lora.isa()
+    except Exception:
+        logger.exception(
+            "vllm_cpu_lora: cannot load the LoRA kernels; vLLM's own CPU "
+            "LoRA path is used"
+        )
+        return
+
+    platform_cls = type(current_platform)
+    platform_cls.get_punica_wrapper = classmethod(lambda cls: WRAPPER)
+    logger.info(
+        "vllm_cpu_lora: LoRA on CPU uses %s (kernels: ISA path %s, from %s)",
+        WRAPPER,
+        isa,
+        os.path.dirname(punica.__file__),
+    )
