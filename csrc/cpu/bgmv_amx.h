@@ -82,11 +82,12 @@ struct AmxKernel {
     }
   }
 
-  // Tokens tok[0..mt) (rows of X) times the packed columns [n, n + nc).
+  // Tokens tok[0..mt) (A: 16 rows of a_stride bytes) times the packed
+  // columns [n, n + nc).
   static void Tiles(const LoraArgs& a, const int64_t* tok, int mt, int64_t n,
-                    int nc, const uint32_t* P, const uint16_t* X, float* C) {
+                    int nc, const uint32_t* P, const uint16_t* A,
+                    int64_t a_stride, float* C) {
     const int64_t pair_rows = PairRows(a.k);
-    const int64_t width = 2 * pair_rows;  // bf16 per A row.
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
@@ -94,7 +95,7 @@ struct AmxKernel {
     const int nv = (nc + 15) / 16;
     constexpr int kBStride = kNT * 4;
     for (int64_t j = 0; j < pair_rows; j += 16) {
-      _tile_loadd(4, X + 2 * j, width * 2);
+      _tile_loadd(4, A + 2 * j, a_stride);
       const uint32_t* b = P + j * kNT;
       _tile_loadd(5, b, kBStride);
       _tile_dpbf16ps(0, 4, 5);
@@ -168,10 +169,20 @@ struct AmxKernel {
       for (int64_t m = item.m0; m < item.m1; m += kTileRows) {
         const int mt =
             static_cast<int>(std::min<int64_t>(kTileRows, item.m1 - m));
-        GatherRows(a, tok + m, mt, 2 * pair_rows, X.get());
+        // Whole tiles of consecutive bf16 rows are read in place (sgmv,
+        // prefill); anything else is gathered into X first.
+        const uint16_t* A = X.get();
+        int64_t a_stride = 2 * pair_rows * sizeof(uint16_t);
+        if (std::is_same_v<TX, c10::BFloat16> && mt == kTileRows &&
+            a.k % 32 == 0 && tok[m + kTileRows - 1] - tok[m] == kTileRows - 1) {
+          A = static_cast<const uint16_t*>(a.x) + tok[m] * a.x_row_stride;
+          a_stride = a.x_row_stride * sizeof(uint16_t);
+        } else {
+          GatherRows(a, tok + m, mt, 2 * pair_rows, X.get());
+        }
         for (int64_t b = 0; b < blocks; ++b) {
           Tiles(a, tok + m, mt, item.n0 + b * kNT, block_cols(b),
-                P.get() + b * block_size, X.get(), C);
+                P.get() + b * block_size, A, a_stride, C);
         }
       }
     }
