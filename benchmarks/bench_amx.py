@@ -1,0 +1,178 @@
+"""AMX vs AVX512-BF16 vs the torch reference, by tokens per adapter.
+
+Shows where the per-call rule's threshold (kAmxMinTokens in
+csrc/cpu/bgmv_params.h: groups with at least that many tokens use AMX tiles)
+should lie. Every case is timed side by side in one process, interleaved,
+medians of repeats; results are ratios, never one absolute time. Needs a CPU
+with AMX (the "amx" ISA path); elsewhere it says so and exits.
+
+    python benchmarks/bench_amx.py [--out benchmarks/results/amx.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import pathlib
+import platform
+import statistics
+import time
+
+import torch
+
+import vllm_cpu_lora
+from vllm_cpu_lora import ops, reference
+
+_HIDDEN = 4096
+_HOUT = 4096
+_RANK = 16
+_ADAPTERS = 4
+_TOKENS_PER_ADAPTER = (1, 2, 4, 8, 12, 16, 24, 32, 64, 128)
+_PATHS = ("amx", "avx512_bf16")
+
+
+def _median_time(fn, isa: str | None, repeats: int, inner: int) -> float:
+    if isa is None:
+        os.environ.pop("VLLM_CPU_LORA_ISA", None)
+    else:
+        os.environ["VLLM_CPU_LORA_ISA"] = isa
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        samples.append((time.perf_counter() - start) / inner)
+    return statistics.median(samples)
+
+
+def _cases(tokens_per_adapter: int):
+    """(name, ours, reference) callables for shrink and expand, bf16."""
+    gen = torch.Generator().manual_seed(tokens_per_adapter)
+    batch = tokens_per_adapter * _ADAPTERS
+    x = torch.randn(batch, _HIDDEN, generator=gen).bfloat16()
+    lora_a = torch.randn(_ADAPTERS, _RANK, _HIDDEN, generator=gen).bfloat16()
+    buf = torch.empty(batch, _RANK)
+    y = torch.randn(batch, _RANK, generator=gen).bfloat16()
+    lora_b = torch.randn(_ADAPTERS, _HOUT, _RANK, generator=gen).bfloat16()
+    out = torch.randn(batch, _HOUT, generator=gen).bfloat16()
+    indices = torch.arange(batch) % _ADAPTERS
+    return [
+        (
+            "shrink",
+            lambda: ops.bgmv_shrink(x, lora_a, buf, indices, 1.0),
+            lambda: reference.bgmv_shrink(x, lora_a, buf, indices, 1.0),
+        ),
+        (
+            "expand",
+            lambda: ops.bgmv_expand(y, lora_b, out, indices, True),
+            lambda: reference.bgmv_expand(y, lora_b, out, indices, True),
+        ),
+    ]
+
+
+def _format_row(row) -> str:
+    tpa, name, ratio, auto, ref = row
+    return f"| {tpa} | {name} | {ratio:.2f} | {auto:.2f} | {ref:.0f}x |"
+
+
+def _cpu_name() -> str:
+    for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.machine()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--out",
+        type=pathlib.Path,
+        default=pathlib.Path(__file__).parent / "results" / "amx.md",
+    )
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (default 1: the crossover is a per-core question)",
+    )
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    if "amx" not in vllm_cpu_lora.supported_isas():
+        print(
+            "This CPU (or its OS) offers no AMX tiles: supported paths are "
+            f"{vllm_cpu_lora.supported_isas()}. Nothing to compare."
+        )
+        return
+
+    rows = []
+    header = (
+        "| tokens/adapter | op | AVX512-BF16 / AMX time | auto path / best "
+        "| reference / AMX |"
+    )
+    print(header)
+    for tpa in _TOKENS_PER_ADAPTER:
+        for name, ours, ref in _cases(tpa):
+            for isa in _PATHS:  # Warm-up.
+                _median_time(ours, isa, 1, 3)
+            inner = max(1, int(2e-3 / _median_time(ours, "amx", 1, 1)))
+            times = {isa: [] for isa in (*_PATHS, "auto")}
+            for _ in range(args.repeats):  # Interleaved rounds.
+                for isa in _PATHS:
+                    times[isa].append(_median_time(ours, isa, 1, inner))
+                times["auto"].append(_median_time(ours, None, 1, inner))
+            med = {k: statistics.median(v) for k, v in times.items()}
+            ref_time = _median_time(ref, None, 3, 1)
+            row = (
+                tpa,
+                name,
+                med["avx512_bf16"] / med["amx"],
+                med["auto"] / min(med["amx"], med["avx512_bf16"]),
+                ref_time / med["amx"],
+            )
+            rows.append(row)
+            print(_format_row(row))
+    os.environ.pop("VLLM_CPU_LORA_ISA", None)
+
+    crossover = {
+        op: next(
+            (
+                tpa
+                for tpa, name, ratio, _, _ in rows
+                if name == op and ratio > 1
+            ),
+            None,
+        )
+        for op in ("shrink", "expand")
+    }
+    lines = [
+        "# AMX vs AVX512-BF16 crossover",
+        "",
+        f"Date: {datetime.date.today().isoformat()}; CPU: {_cpu_name()}; "
+        f"torch {torch.__version__}; threads: {torch.get_num_threads()}; "
+        f"paths: {vllm_cpu_lora.supported_isas()}.",
+        "",
+        f"bf16, H={_HIDDEN}, Hout={_HOUT}, rank {_RANK}, {_ADAPTERS} adapters, "
+        "tokens spread evenly over the adapters (bgmv). Ratios of medians "
+        "measured side by side in one process; >1 in the third column means "
+        "AMX is faster. 'auto path / best' is the per-call rule "
+        "(kAmxMinTokens) against the faster of the two forced paths (1.00 = "
+        "the rule picked the winner).",
+        "",
+        header,
+        "|---|---|---|---|---|",
+        *[_format_row(row) for row in rows],
+        "",
+        "First tokens-per-adapter count where AMX wins: "
+        + ", ".join(f"{op}: {tpa}" for op, tpa in crossover.items()),
+        "",
+    ]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text("\n".join(lines))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
