@@ -184,22 +184,28 @@ def dispatch_bgmv_low_level(
 
 
 # Fake (meta) implementations so torch.compile can trace the ops: they only
-# mutate their output argument, so there is nothing to compute.
-def _register_fakes() -> None:
-    names = (
-        "bgmv_shrink",
-        "bgmv_expand",
-        "bgmv_expand_slice",
-        "sgmv_shrink",
-        "sgmv_expand",
-        "sgmv_expand_slice",
-        "dispatch_bgmv",
-        "dispatch_bgmv_low_level",
-    )
-    for name in names:
-        torch.library.register_fake(f"vllm_cpu_lora::{name}")(
-            lambda *args, **kwargs: None
-        )
+# mutate their output argument, so there is nothing to compute. They also run
+# for a call that mixes devices with "meta" (the dispatcher picks the Meta
+# kernel), which must fail rather than silently do nothing.
+def _make_fake(name: str):
+    schema = getattr(torch.ops.vllm_cpu_lora, name).default._schema
+    arg_names = [arg.name for arg in schema.arguments]
+
+    def fake(*args, **kwargs):
+        named = [*zip(arg_names, args, strict=False), *kwargs.items()]
+        devices = {}
+        for arg_name, value in named:
+            if isinstance(value, torch.Tensor):
+                devices.setdefault(value.device, arg_name)
+        if len(devices) > 1:
+            where = ", ".join(f"{n} on {d}" for d, n in devices.items())
+            raise RuntimeError(
+                f"vllm_cpu_lora.{name}: all tensors must be on one device, "
+                f"got {where}"
+            )
+
+    return fake
 
 
-_register_fakes()
+for _name in __all__:
+    torch.library.register_fake(f"vllm_cpu_lora::{_name}")(_make_fake(_name))

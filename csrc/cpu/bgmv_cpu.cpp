@@ -150,12 +150,35 @@ DType ToDType(const at::Tensor& t, const char* name) {
   }
 }
 
+// Rejects an output that shares memory with another argument. Where torch
+// cannot tell (at::get_overlap_status answers TooHard for non-dense views),
+// any overlap of the two byte ranges counts: a false alarm is an error
+// message, a missed one a silently wrong result.
 void CheckNoOverlap(const at::Tensor& out, const char* out_name,
                     const at::Tensor& other, const char* other_name) {
   const auto status = at::get_overlap_status(out, other);
-  TORCH_CHECK(status != at::MemOverlapStatus::Full &&
-                  status != at::MemOverlapStatus::Partial,
-              out_name, " must not share memory with ", other_name);
+  bool overlap = status == at::MemOverlapStatus::Full ||
+                 status == at::MemOverlapStatus::Partial;
+  if (status == at::MemOverlapStatus::TooHard && out.numel() > 0 &&
+      other.numel() > 0) {
+    auto range = [](const at::Tensor& t) {
+      int64_t extent = 1;
+      for (int64_t d = 0; d < t.dim(); ++d) {
+        extent += (t.size(d) - 1) * std::abs(t.stride(d));
+      }
+      const char* begin = static_cast<const char*>(t.const_data_ptr());
+      return std::make_pair(begin, begin + extent * t.element_size());
+    };
+    const auto [a0, a1] = range(out);
+    const auto [b0, b1] = range(other);
+    overlap = a0 < b1 && b0 < a1;
+  }
+  TORCH_CHECK(!overlap, out_name, " must not share memory with ", other_name);
+}
+
+// [offset, offset + size) within [0, width), without overflow.
+bool FitsIn(int64_t offset, int64_t size, int64_t width) {
+  return offset >= 0 && size >= 0 && offset <= width && size <= width - offset;
 }
 
 // A 2-D floating-point CPU tensor whose rows are contiguous.
@@ -217,6 +240,7 @@ Weights ViewWeights(const at::Tensor& w, const char* name) {
 
 // One product over `groups`: columns [col0, col0 + n) of `out`.
 struct Product {
+  IsaChoice isa;   // Chosen before anything is written.
   at::Tensor x;    // [T, k]
   at::Tensor w;    // [L, >= n, k] (3-D, last dim contiguous)
   at::Tensor out;  // [T, >= col0 + n]
@@ -244,7 +268,7 @@ void Run(const Product& p, const std::vector<Group>& groups,
     }
     return;
   }
-  const IsaChoice choice = SelectIsa();
+  const IsaChoice& choice = p.isa;
   const IsaKernels& kernels = KernelsFor(choice.isa);
   const bool pack = k <= kMaxPackK && p.n > k;
   const KernelFn fn = pack ? kernels.pack : kernels.dot;
@@ -349,12 +373,13 @@ void ZeroRows(const at::Tensor& out, const std::vector<int64_t>& rows,
 }
 
 // Checks shared by every LoRA op. Returns the product with x, w and out set.
-Product Prepare(const at::Tensor& inputs, const at::Tensor& weights,
-                const char* weights_name, const at::Tensor& output,
-                const char* output_name, const at::Tensor& index_tensor,
-                Weights* w) {
+Product Prepare(const at::Tensor& inputs, const char* inputs_name,
+                const at::Tensor& weights, const char* weights_name,
+                const at::Tensor& output, const char* output_name,
+                const at::Tensor& index_tensor, Weights* w) {
   Product p;
-  p.x = Matrix(inputs, "inputs");
+  p.isa = SelectIsa();
+  p.x = Matrix(inputs, inputs_name);
   *w = ViewWeights(weights, weights_name);
   CheckCpu(output, output_name);
   ToDType(output, output_name);
@@ -366,11 +391,12 @@ Product Prepare(const at::Tensor& inputs, const at::Tensor& weights,
   TORCH_CHECK(at::has_internal_overlap(output) != at::MemOverlap::Yes,
               output_name, " has elements that share memory");
   TORCH_CHECK(output.size(0) == inputs.size(0), output_name, " has ",
-              output.size(0), " rows but inputs has ", inputs.size(0));
-  TORCH_CHECK(inputs.size(1) == w->cols, "inputs has ", inputs.size(1),
+              output.size(0), " rows but ", inputs_name, " has ",
+              inputs.size(0));
+  TORCH_CHECK(inputs.size(1) == w->cols, inputs_name, " has ", inputs.size(1),
               " columns but ", weights_name, " expects ", w->cols,
               " (its last dimension)");
-  CheckNoOverlap(output, output_name, inputs, "inputs");
+  CheckNoOverlap(output, output_name, inputs, inputs_name);
   CheckNoOverlap(output, output_name, weights, weights_name);
   CheckNoOverlap(output, output_name, index_tensor, "the index tensors");
   p.w = w->t;
@@ -386,8 +412,8 @@ void BgmvShrink(const at::Tensor& inputs, const at::Tensor& lora_a_weights,
                 const at::Tensor& output_tensor,
                 const at::Tensor& lora_indices_tensor, double scaling) {
   Weights w;
-  Product p = Prepare(inputs, lora_a_weights, "lora_a_weights", output_tensor,
-                      "output_tensor", lora_indices_tensor, &w);
+  Product p = Prepare(inputs, "inputs", lora_a_weights, "lora_a_weights",
+                      output_tensor, "output_tensor", lora_indices_tensor, &w);
   TORCH_CHECK(output_tensor.size(1) >= w.rows, "output_tensor has ",
               output_tensor.size(1), " columns, fewer than the rank ", w.rows,
               " of lora_a_weights");
@@ -409,10 +435,9 @@ void BgmvExpandSlice(const at::Tensor& inputs, const at::Tensor& lora_b_weights,
                      int64_t slice_offset, int64_t slice_size,
                      bool add_inputs) {
   Weights w;
-  Product p = Prepare(inputs, lora_b_weights, "lora_b_weights", output_tensor,
-                      "output_tensor", lora_indices_tensor, &w);
-  TORCH_CHECK(slice_offset >= 0 && slice_size >= 0 &&
-                  slice_offset + slice_size <= output_tensor.size(1),
+  Product p = Prepare(inputs, "inputs", lora_b_weights, "lora_b_weights",
+                      output_tensor, "output_tensor", lora_indices_tensor, &w);
+  TORCH_CHECK(FitsIn(slice_offset, slice_size, output_tensor.size(1)),
               "slice_offset ", slice_offset, " and slice_size ", slice_size,
               " do not fit in output_tensor of width ", output_tensor.size(1));
   const auto indices =
@@ -497,8 +522,8 @@ void SgmvShrink(const at::Tensor& inputs, const at::Tensor& lora_a_weights,
   (void)max_seq_length;  // Hints only: the segments are read and checked.
   (void)token_nums;
   Weights w;
-  Product p = Prepare(inputs, lora_a_weights, "lora_a_weights", output_tensor,
-                      "output_tensor", lora_indices_tensor, &w);
+  Product p = Prepare(inputs, "inputs", lora_a_weights, "lora_a_weights",
+                      output_tensor, "output_tensor", lora_indices_tensor, &w);
   TORCH_CHECK(output_tensor.size(1) >= w.rows, "output_tensor has ",
               output_tensor.size(1), " columns, fewer than the rank ", w.rows,
               " of lora_a_weights");
@@ -525,10 +550,9 @@ void SgmvExpandSlice(const at::Tensor& inputs, const at::Tensor& lora_b_weights,
   (void)max_seq_length;
   (void)token_nums;
   Weights w;
-  Product p = Prepare(inputs, lora_b_weights, "lora_b_weights", output_tensor,
-                      "output_tensor", lora_indices_tensor, &w);
-  TORCH_CHECK(slice_offset >= 0 && slice_size >= 0 &&
-                  slice_offset + slice_size <= output_tensor.size(1),
+  Product p = Prepare(inputs, "inputs", lora_b_weights, "lora_b_weights",
+                      output_tensor, "output_tensor", lora_indices_tensor, &w);
+  TORCH_CHECK(FitsIn(slice_offset, slice_size, output_tensor.size(1)),
               "slice_offset ", slice_offset, " and slice_size ", slice_size,
               " do not fit in output_tensor of width ", output_tensor.size(1));
   const Segments s =
@@ -577,13 +601,12 @@ void DispatchBgmvLowLevel(const at::Tensor& y, const at::Tensor& x,
   TORCH_CHECK(x_in.size(1) == h_in, "x has ", x_in.size(1),
               " columns but h_in is ", h_in);
   TORCH_CHECK(y.dim() == 2, "y must be 2-D, got shape ", y.sizes());
-  TORCH_CHECK(y_offset >= 0 && y_offset + h_out <= y.size(1), "y_offset ",
-              y_offset, " and h_out ", h_out, " do not fit in y of width ",
-              y.size(1));
+  TORCH_CHECK(FitsIn(y_offset, h_out, y.size(1)), "y_offset ", y_offset,
+              " and h_out ", h_out, " do not fit in y of width ", y.size(1));
   const at::Tensor w3 =
       w.select(1, layer_idx).narrow(1, 0, h_out).narrow(2, 0, h_in);
   Weights wv;
-  Product p = Prepare(x_in, w3, "w", y, "y", indicies, &wv);
+  Product p = Prepare(x_in, "x", w3, "w", y, "y", indicies, &wv);
   CheckNoOverlap(y, "y", w, "w");
   auto indices = ReadIndices(indicies, "indicies", x.size(0),
                              std::numeric_limits<int64_t>::min(),
