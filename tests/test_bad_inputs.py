@@ -145,6 +145,13 @@ def _set(**values) -> Callable[[dict], None]:
     return lambda a: a.update(values)
 
 
+def _overlapping_rows(a: dict) -> None:
+    """An output whose rows overlap: row stride one below the width."""
+    t, w = a["output_tensor"].shape
+    buf = _nan(t * w, dtype=a["output_tensor"].dtype)
+    a["output_tensor"] = buf.as_strided((t, w), (w - 1, 1))
+
+
 def _alias_inputs(a: dict) -> None:
     """The output is the inputs tensor itself."""
     a["output_tensor"] = a["inputs"]
@@ -315,6 +322,12 @@ def vllm_entries(op: str) -> list[Bad]:
             op,
             "alias_output_is_inputs_non_dense",
             _alias_inputs_non_dense,
+            ("output_tensor",),
+        ),
+        Bad(
+            op,
+            "output_rows_overlap",
+            _overlapping_rows,
             ("output_tensor",),
         ),
         Bad(

@@ -219,10 +219,10 @@ def dispatch_bgmv_low_level(
 ) -> None:
     """Legacy punica: ``y[:, off:off+h_out] += scale * x @
     w[idx, layer_idx, :h_out, :h_in].T``, x having exactly h_in columns;
-    idx < 0 skips the row."""
+    idx < 0 skips the row; index entries past x's rows are not read."""
     dtype = _compute_dtype(y.dtype)
     weights = w[:, layer_idx, :h_out, :h_in]
-    indices = indicies.long()
+    indices = indicies[: x.size(0)].long()
     indices = torch.where(indices < 0, -1, indices)
     rows, products = _gather_matvec(x, weights, indices, dtype)
     target = y[:, y_offset : y_offset + h_out]

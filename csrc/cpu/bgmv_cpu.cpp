@@ -476,6 +476,13 @@ Segments ReadSegments(const at::Tensor& b_seq_start_loc,
                       const at::Tensor& lora_indices_tensor, int64_t batches,
                       int64_t num_tokens, int64_t num_adapters) {
   TORCH_CHECK(batches >= 0, "batches must be >= 0, got ", batches);
+  for (const auto& [t, name] :
+       {std::pair{&b_seq_start_loc, "b_seq_start_loc"},
+        std::pair{&seq_len_tensor, "seq_len_tensor"},
+        std::pair{&lora_indices_tensor, "lora_indices_tensor"}}) {
+    TORCH_CHECK(t->dim() != 1 || t->size(0) >= batches, "batches (", batches,
+                ") exceeds the ", t->size(0), " entries of ", name);
+  }
   Segments s;
   s.start = ReadIndices(b_seq_start_loc, "b_seq_start_loc", batches, 0,
                         num_tokens, " (token positions)");
