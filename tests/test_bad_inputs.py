@@ -326,7 +326,7 @@ def vllm_entries(op: str) -> list[Bad]:
         ),
         Bad(
             op,
-            "output_rows_overlap",
+            "output_rows_partly_overlap",
             _overlapping_rows,
             ("output_tensor",),
         ),
