@@ -1,0 +1,197 @@
+"""`PunicaWrapperCPULoRA` against vLLM's own `PunicaWrapperCPU`.
+
+Both wrappers get the same LoRA mapping (prefill and decode, mixed adapters
+and rows without one) and the same tensors, in vLLM's dtypes (bf16
+activations and weights, fp32 intermediate buffer) and in fp32, for every
+entry point vLLM's LoRA layers use: linear (sliced, as for q/k/v), shrink and
+expand alone (row-parallel), embedding, logits and full-linear heads.
+Outputs must agree within vLLM's own op-test tolerances, and the call
+counters must show that our ops ran. Needs a CPU build of vLLM
+(scripts/install_vllm_cpu.sh); skipped without one.
+"""
+
+import importlib.util
+
+import pytest
+import torch
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip(
+        "needs vLLM (a CPU build: scripts/install_vllm_cpu.sh)",
+        allow_module_level=True,
+    )
+
+from vllm.lora.layers import LoRAMapping  # noqa: E402
+from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU  # noqa: E402
+
+from vllm_cpu_lora import punica  # noqa: E402
+
+MAX_LORAS = 4
+# Slot -> LoRA id; slot 2 is empty.
+LORA_INDEX_TO_ID = [1, 2, None, 3]
+VOCAB = 300
+HIDDEN = 200
+RANK = 16
+SLICES = (128, 64, 64)
+# Requests: (tokens in this step, LoRA id; 0 means none).
+REQUESTS = [(3, 1), (5, 0), (1, 3), (4, 2), (2, 1)]
+# vLLM's op tests: fp16/bf16 6e-2, fp32 1e-2; fp32 here agrees far better.
+TOLERANCES = {
+    torch.bfloat16: {"atol": 6e-2, "rtol": 6e-2},
+    torch.float32: {"atol": 1e-4, "rtol": 1e-4},
+}
+
+
+def _mapping(is_prefill: bool, requests=REQUESTS) -> LoRAMapping:
+    if is_prefill:
+        index = [lora for n, lora in requests for _ in range(n)]
+    else:
+        index = [lora for _, lora in requests]
+    prompt = [lora for _, lora in requests]
+    return LoRAMapping(index, prompt, is_prefill=is_prefill)
+
+
+def _wrappers(is_prefill: bool, requests=REQUESTS):
+    mapping = _mapping(is_prefill, requests)
+    pair = []
+    for cls in (PunicaWrapperCPU, punica.PunicaWrapperCPULoRA):
+        wrapper = cls(64, 16, "cpu")
+        wrapper.update_metadata(mapping, LORA_INDEX_TO_ID, MAX_LORAS, VOCAB)
+        pair.append(wrapper)
+    return pair, len(mapping.index_mapping), len(requests)
+
+
+def _rand(*shape, dtype, scale=1.0, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype)
+
+
+def _check(ours, theirs, dtype):
+    torch.testing.assert_close(ours, theirs, **TOLERANCES[dtype])
+
+
+@pytest.fixture(autouse=True)
+def _fresh_counts():
+    punica.reset_call_counts()
+    yield
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("is_prefill", [True, False], ids=["prefill", "decode"])
+def test_add_lora_linear(dtype, is_prefill):
+    (theirs, ours), tokens, _ = _wrappers(is_prefill)
+    x = _rand(tokens, HIDDEN, dtype=dtype, seed=1)
+    lora_a = tuple(
+        _rand(MAX_LORAS, 1, RANK, HIDDEN, dtype=dtype, scale=0.1, seed=2 + i)
+        for i in range(len(SLICES))
+    )
+    lora_b = tuple(
+        _rand(MAX_LORAS, 1, n, RANK, dtype=dtype, scale=0.1, seed=9 + i)
+        for i, n in enumerate(SLICES)
+    )
+    y0 = _rand(tokens, sum(SLICES), dtype=dtype, seed=20)
+    y_theirs, y_ours = y0.clone(), y0.clone()
+    theirs.add_lora_linear(y_theirs, x, lora_a, lora_b, 0.5, SLICES)
+    ours.add_lora_linear(y_ours, x, lora_a, lora_b, 0.5, SLICES)
+    _check(y_ours, y_theirs, dtype)
+    # Rows without an adapter are untouched.
+    rows = torch.tensor(_mapping(is_prefill).index_mapping) == 0
+    assert torch.equal(y_ours[rows], y0[rows])
+    kind = "sgmv" if is_prefill else "bgmv"
+    counts = punica.call_counts()
+    assert counts == {
+        f"{kind}_shrink": len(SLICES),
+        f"{kind}_expand_slice": len(SLICES),
+    }
+
+
+@pytest.mark.parametrize("is_prefill", [True, False], ids=["prefill", "decode"])
+def test_add_shrink_and_expand(is_prefill):
+    # The row-parallel path: shrink into a caller's fp32 buffer, then expand
+    # with an offset.
+    dtype = torch.bfloat16
+    (theirs, ours), tokens, _ = _wrappers(is_prefill)
+    x = _rand(tokens, HIDDEN, dtype=dtype, seed=1)
+    lora_a = (_rand(MAX_LORAS, 1, RANK, HIDDEN, dtype=dtype, scale=0.1),)
+    lora_b = (_rand(MAX_LORAS, 1, 96, RANK, dtype=dtype, scale=0.1, seed=3),)
+    outs = []
+    for wrapper in (theirs, ours):
+        buffer = torch.zeros(1, tokens, RANK, dtype=torch.float32)
+        wrapper.add_shrink(buffer, x, lora_a, 2.0)
+        y = torch.ones(tokens, 128, dtype=dtype)
+        wrapper.add_expand(y, buffer, lora_b, (96,), offset_start=16)
+        outs.append((buffer, y))
+    torch.testing.assert_close(outs[1][0], outs[0][0], atol=1e-2, rtol=1e-2)
+    _check(outs[1][1], outs[0][1], dtype)
+    assert set(punica.call_counts()) == (
+        {"sgmv_shrink", "sgmv_expand_slice"}
+        if is_prefill
+        else {"bgmv_shrink", "bgmv_expand_slice"}
+    )
+
+
+@pytest.mark.parametrize("is_prefill", [True, False], ids=["prefill", "decode"])
+def test_add_lora_embedding(is_prefill):
+    dtype = torch.bfloat16
+    (theirs, ours), tokens, _ = _wrappers(is_prefill)
+    x = _rand(tokens, RANK, dtype=dtype, seed=4)
+    lora_b = _rand(MAX_LORAS, 1, HIDDEN, RANK, dtype=dtype, scale=0.1, seed=5)
+    y0 = _rand(tokens, HIDDEN, dtype=dtype, seed=6)
+    y_theirs, y_ours = y0.clone(), y0.clone()
+    theirs.add_lora_embedding(y_theirs, x, lora_b, add_inputs=True)
+    ours.add_lora_embedding(y_ours, x, lora_b, add_inputs=True)
+    _check(y_ours, y_theirs, dtype)
+    assert set(punica.call_counts()) == {
+        "sgmv_expand" if is_prefill else "bgmv_expand"
+    }
+
+
+@pytest.mark.parametrize("logits_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("is_prefill", [True, False], ids=["prefill", "decode"])
+def test_add_lora_logits(is_prefill, logits_dtype):
+    dtype = torch.bfloat16
+    (theirs, ours), _, rows = _wrappers(is_prefill)
+    x = _rand(rows, HIDDEN, dtype=dtype, seed=7)
+    lora_a = _rand(MAX_LORAS, 1, RANK, HIDDEN, dtype=dtype, scale=0.1, seed=8)
+    lora_b = _rand(MAX_LORAS, 1, VOCAB, RANK, dtype=dtype, scale=0.1, seed=9)
+    y0 = _rand(rows, VOCAB, dtype=logits_dtype, seed=10)
+    y_theirs, y_ours = y0.clone(), y0.clone()
+    theirs.add_lora_logits(y_theirs, x, lora_a, lora_b, 1.0)
+    ours.add_lora_logits(y_ours, x, lora_a, lora_b, 1.0)
+    _check(y_ours, y_theirs, dtype)
+    assert punica.call_counts() == {"bgmv_shrink": 1, "bgmv_expand": 1}
+
+
+def test_apply_lora_full_linear():
+    dtype = torch.bfloat16
+    (theirs, ours), _, rows = _wrappers(is_prefill=True)
+    labels = 24
+    x = _rand(rows, HIDDEN, dtype=dtype, seed=11)
+    weight = _rand(MAX_LORAS, 1, labels, HIDDEN, dtype=dtype, scale=0.1)
+    bias = _rand(MAX_LORAS, labels, dtype=dtype, seed=12)
+    enabled = torch.tensor([True, False, True, True])
+    y0 = _rand(rows, labels, dtype=dtype, seed=13)
+    y_theirs, y_ours = y0.clone(), y0.clone()
+    theirs.apply_lora_full_linear(y_theirs, x, weight, bias, enabled)
+    ours.apply_lora_full_linear(y_ours, x, weight, bias, enabled)
+    _check(y_ours, y_theirs, dtype)
+    assert punica.call_counts() == {"bgmv_shrink": 1}
+
+
+def test_prefill_without_any_lora_calls_nothing():
+    requests = [(3, 0), (2, 0)]
+    (theirs, ours), tokens, _ = _wrappers(True, requests)
+    dtype = torch.bfloat16
+    x = _rand(tokens, HIDDEN, dtype=dtype)
+    lora_a = (_rand(MAX_LORAS, 1, RANK, HIDDEN, dtype=dtype),)
+    lora_b = (_rand(MAX_LORAS, 1, 64, RANK, dtype=dtype),)
+    y0 = _rand(tokens, 64, dtype=dtype, seed=3)
+    y_theirs, y_ours = y0.clone(), y0.clone()
+    theirs.add_lora_linear(y_theirs, x, lora_a, lora_b, 1.0, (64,))
+    ours.add_lora_linear(y_ours, x, lora_a, lora_b, 1.0, (64,))
+    assert torch.equal(y_ours, y0) and torch.equal(y_theirs, y0)
+    assert punica.call_counts() == {}
+
+
+def test_worker_lora_report_without_a_worker():
+    assert punica.worker_lora_report(None) == {"wrappers": [], "calls": {}}
