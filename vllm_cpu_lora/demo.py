@@ -419,10 +419,32 @@ def _child_main(spec_file: str, out_file: str) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    workdir = args.workdir or tempfile.mkdtemp(prefix="vllm_cpu_lora_demo_")
-    work = Path(workdir)
-    print(f"Building a tiny Llama and two LoRA adapters in {work} ...")
-    base = build_tiny_llama(work / "tiny-llama")
+    if args.workdir:
+        return _demo_in(Path(args.workdir), args)
+    with tempfile.TemporaryDirectory(prefix="vllm_cpu_lora_demo_") as tmp:
+        return _demo_in(Path(tmp), args)
+
+
+def _tokens_per_s(batch: dict[str, Any]) -> tuple[int, float]:
+    tokens = sum(len(o["token_ids"]) for o in batch["outputs"])
+    return tokens, tokens / batch["elapsed_s"]
+
+
+def _demo_in(work: Path, args: argparse.Namespace) -> int:
+    heads = max(1, args.hidden_size // 64)
+    print(
+        f"Building a tiny Llama (hidden {args.hidden_size}, "
+        f"{args.num_layers} layers) and two LoRA adapters (ranks 8 and 16) "
+        f"in {work} ..."
+    )
+    base = build_tiny_llama(
+        work / "tiny-llama",
+        hidden_size=args.hidden_size,
+        num_layers=args.num_layers,
+        num_heads=heads,
+        num_kv_heads=max(1, heads // 2),
+        intermediate_size=2 * args.hidden_size,
+    )
     adapters = {
         "adapter-1": str(build_lora_adapter(base, work / "lora-1", seed=1)),
         "adapter-2": str(
@@ -430,34 +452,29 @@ def _demo(args: argparse.Namespace) -> int:
         ),
     }
     choices = [None, "adapter-1", "adapter-2"]
-    batches = [
-        [(prompt, adapter) for prompt in PROMPTS[: args.batch_size]]
-        for adapter in choices
-    ]
-    mixed = [
-        (prompt, choices[i % 3])
-        for i, prompt in enumerate(PROMPTS[: args.batch_size])
-    ]
+    prompts = PROMPTS[: args.batch_size]
+    batches = [[(prompt, adapter) for prompt in prompts] for adapter in choices]
+    batches.append([(p, choices[i % 3]) for i, p in enumerate(prompts)])
+    labels = ["no adapter", "adapter-1", "adapter-2", "mixed batch"]
     spec = {
         "model": str(base),
         "adapters": adapters,
-        "batches": [*batches, mixed],
+        "batches": batches,
         "warmup": [(PROMPTS[0], a) for a in choices],
         "max_tokens": args.max_tokens,
         "dtype": args.dtype,
         "max_lora_rank": 16,
         "max_loras": 2,
     }
-    labels = ["no adapter", "adapter-1", "adapter-2", "mixed batch"]
 
-    runs = [("vllm_cpu_lora (plug-in)", False)]
+    runs = [("vllm_cpu_lora plug-in", False)]
     if args.compare:
-        runs.append(("vLLM's own torch ops (VLLM_CPU_LORA_DISABLE=1)", True))
+        runs.append(("vLLM's own ops (VLLM_CPU_LORA_DISABLE=1)", True))
     results = []
     for title, disable in runs:
         print(
-            f"\n=== {title}: dtype {args.dtype}, {args.batch_size} "
-            f"prompts x {args.max_tokens} tokens per batch"
+            f"\n=== {title}: dtype {args.dtype}, {len(prompts)} prompts x "
+            f"{args.max_tokens} tokens per batch, greedy"
         )
         res = run_vllm_child(spec, disable_plugin=disable)
         if res["error"]:
@@ -469,46 +486,66 @@ def _demo(args: argparse.Namespace) -> int:
             f"engine start {res['engine_start_s']:.1f} s; LoRA wrapper: "
             f"{', '.join(report['wrappers'])}"
         )
+        if not disable and _plugin_wrapper() not in report["wrappers"]:
+            print(
+                "WARNING: vLLM did not use the vllm_cpu_lora plug-in: is "
+                "this package installed in vLLM's environment?"
+            )
         if report["calls"]:
             calls = ", ".join(
                 f"{k} {v}" for k, v in sorted(report["calls"].items())
             )
             print(f"vllm_cpu_lora op calls: {calls}")
-        for label, batch in zip(labels, res["batches"], strict=True):
-            tokens = sum(len(o["token_ids"]) for o in batch["outputs"])
+        for label, requests, batch in zip(
+            labels, batches, res["batches"], strict=True
+        ):
+            tokens, rate = _tokens_per_s(batch)
             print(
-                f"\n[{label}] {tokens} tokens in {batch['elapsed_s']:.3f} s"
-                f" = {tokens / batch['elapsed_s']:.1f} tokens/s"
+                f"\n[{label}] {tokens} tokens in {batch['elapsed_s']:.3f} s "
+                f"= {rate:.1f} tokens/s"
             )
-            shown = spec["batches"][labels.index(label)]
             for (prompt, adapter), out in zip(
-                shown, batch["outputs"], strict=True
+                requests, batch["outputs"], strict=True
             ):
-                tag = adapter or "base"
-                print(f"  {tag:>9} | {prompt!r} -> {out['text']!r}")
+                print(
+                    f"  {adapter or 'base':>9} | {prompt!r} -> {out['text']!r}"
+                )
         results.append(res)
 
     if args.compare:
-        same = all(
-            a["token_ids"] == b["token_ids"]
-            for ba, bb in zip(
-                results[0]["batches"], results[1]["batches"], strict=True
-            )
-            for a, b in zip(ba["outputs"], bb["outputs"], strict=True)
+        ours, theirs = (
+            [
+                t
+                for b in r["batches"]
+                for o in b["outputs"]
+                for t in o["token_ids"]
+            ]
+            for r in results
         )
-        print("\nSpeed, vllm_cpu_lora vs vLLM's torch ops (tokens/s):")
+        same = sum(a == b for a, b in zip(ours, theirs, strict=True))
+        print("\ntokens/s, vllm_cpu_lora vs vLLM's own ops:")
         for i, label in enumerate(labels):
-            ours, theirs = (
-                sum(len(o["token_ids"]) for o in r["batches"][i]["outputs"])
-                / r["batches"][i]["elapsed_s"]
-                for r in results
-            )
+            mine = _tokens_per_s(results[0]["batches"][i])[1]
+            other = _tokens_per_s(results[1]["batches"][i])[1]
             print(
-                f"  {label:>12}: {ours:8.1f} vs {theirs:8.1f} "
-                f"({ours / theirs:.2f}x)"
+                f"  {label:>12}: {mine:8.1f} vs {other:8.1f} "
+                f"({mine / other:.2f}x)"
             )
-        print(f"Same tokens on both paths: {'yes' if same else 'NO'}")
+        print(f"identical tokens: {same} of {len(ours)}", end="")
+        if same < len(ours) and args.dtype != "float32":
+            print(
+                " (the paths round bf16 differently and greedy decoding "
+                "follows the first difference; --dtype float32 agrees exactly)"
+            )
+        else:
+            print()
     return 0
+
+
+def _plugin_wrapper() -> str:
+    from vllm_cpu_lora.plugin import WRAPPER
+
+    return WRAPPER
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -532,6 +569,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="N",
         help=f"prompts per batch, 1 to {len(PROMPTS)}",
     )
+    parser.add_argument("--hidden-size", type=int, default=256)
+    parser.add_argument("--num-layers", type=int, default=2)
     parser.add_argument(
         "--compare",
         action="store_true",
