@@ -478,8 +478,13 @@ def _demo_in(work: Path, args: argparse.Namespace) -> int:
         )
         res = run_vllm_child(spec, disable_plugin=disable)
         if res["error"]:
+            fd, log = tempfile.mkstemp(
+                prefix="vllm_cpu_lora_demo_", suffix=".log"
+            )
+            with os.fdopen(fd, "w") as f:
+                f.write(res["log"])
             print(res["log"][-4000:])
-            print(f"vLLM failed: {res['error']}")
+            print(f"vLLM failed: {res['error']} (its whole log: {log})")
             return 1
         report = res["report"]
         print(

@@ -15,6 +15,12 @@ It changes nothing:
 * when this package's C++ extension cannot be loaded (it logs why).
 
 If `VLLM_PLUGINS` is set, it is an allow-list: name `vllm_cpu_lora` in it.
+
+On vLLM's CPU platform it also asks Linux for the AMX tile state in each
+process, whatever `VLLM_CPU_LORA_DISABLE` says: vLLM 0.33's CPU kernels use
+AMX tiles (bf16) without asking, and a process that has not asked dies with
+SIGILL at its first tile instruction (seen with and without LoRA). The
+request changes no result; it is a no-op on CPUs without AMX.
 """
 
 import logging
@@ -36,6 +42,21 @@ def _disabled() -> bool:
     return os.environ.get(DISABLE_ENV, "0").strip() not in ("", "0")
 
 
+def _request_amx_tiles() -> None:
+    """Asks Linux for this process's AMX tile state (see module doc)."""
+    import torch
+
+    if not torch.cpu._is_amx_tile_supported():
+        return
+    if torch.cpu._init_amx():
+        logger.debug("vllm_cpu_lora: AMX tile state granted to this process")
+    else:
+        logger.warning(
+            "vllm_cpu_lora: the OS refused AMX tile state: vLLM's AMX "
+            "kernels may fail with SIGILL"
+        )
+
+
 def register() -> None:
     """Routes vLLM's CPU LoRA through `vllm_cpu_lora` (see module doc).
 
@@ -47,13 +68,6 @@ def register() -> None:
         return
     _done = True
 
-    if _disabled():
-        logger.info(
-            "vllm_cpu_lora: %s is set; vLLM's own CPU LoRA path is used",
-            DISABLE_ENV,
-        )
-        return
-
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
@@ -61,6 +75,15 @@ def register() -> None:
             "vllm_cpu_lora: platform %s is not vLLM's CPU platform; "
             "nothing to do",
             type(current_platform).__name__,
+        )
+        return
+
+    _request_amx_tiles()
+
+    if _disabled():
+        logger.info(
+            "vllm_cpu_lora: %s is set; vLLM's own CPU LoRA path is used",
+            DISABLE_ENV,
         )
         return
 
