@@ -24,6 +24,18 @@ tolerance, which catches a single missing or doubled term.
 
 import torch
 
+# The ops under test, by family.
+SHRINK_OPS = ("bgmv_shrink", "sgmv_shrink")
+EXPAND_OPS = (
+    "bgmv_expand",
+    "bgmv_expand_slice",
+    "sgmv_expand",
+    "sgmv_expand_slice",
+)
+VLLM_OPS = SHRINK_OPS + EXPAND_OPS
+DISPATCH_OPS = ("dispatch_bgmv", "dispatch_bgmv_low_level")
+ALL_OPS = VLLM_OPS + DISPATCH_OPS
+
 UNIT_ROUNDOFF = {
     torch.float32: 2.0**-24,
     torch.bfloat16: 2.0**-8,

@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from oracle import DISPATCH_OPS, SHRINK_OPS, VLLM_OPS
 
 import vllm_cpu_lora  # noqa: F401  (registers torch.ops.vllm_cpu_lora)
 
@@ -42,16 +43,6 @@ NAN = float("nan")
 # since NaN + anything is NaN.
 POISON = -1234.5
 INT64_MAX = 2**63 - 1
-
-SHRINK_OPS = ("bgmv_shrink", "sgmv_shrink")
-EXPAND_OPS = (
-    "bgmv_expand",
-    "bgmv_expand_slice",
-    "sgmv_expand",
-    "sgmv_expand_slice",
-)
-VLLM_OPS = SHRINK_OPS + EXPAND_OPS
-DISPATCH_OPS = ("dispatch_bgmv", "dispatch_bgmv_low_level")
 
 
 def _nan(*shape, dtype=torch.float32) -> torch.Tensor:

@@ -20,7 +20,15 @@ import zlib
 
 import pytest
 import torch
-from oracle import assert_close_to_oracle, f64, run_oracle
+from oracle import (
+    ALL_OPS,
+    DISPATCH_OPS,
+    EXPAND_OPS,
+    SHRINK_OPS,
+    assert_close_to_oracle,
+    f64,
+    run_oracle,
+)
 
 import vllm_cpu_lora
 from vllm_cpu_lora import ops
@@ -32,15 +40,6 @@ DTYPES = (F32, BF16, F16)
 DTYPE_NAMES = {F32: "f32", BF16: "bf16", F16: "f16"}
 NAN = float("nan")
 
-SHRINK_OPS = ("bgmv_shrink", "sgmv_shrink")
-EXPAND_OPS = (
-    "bgmv_expand",
-    "bgmv_expand_slice",
-    "sgmv_expand",
-    "sgmv_expand_slice",
-)
-DISPATCH_OPS = ("dispatch_bgmv", "dispatch_bgmv_low_level")
-ALL_OPS = SHRINK_OPS + EXPAND_OPS + DISPATCH_OPS
 
 # (inputs, weights, output) dtypes.
 ALL_DTYPE_COMBOS = tuple(itertools.product(DTYPES, repeat=3))

@@ -25,7 +25,15 @@ import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from oracle import assert_close_to_oracle, f64, run_oracle
+from oracle import (
+    ALL_OPS,
+    DISPATCH_OPS,
+    EXPAND_OPS,
+    SHRINK_OPS,
+    assert_close_to_oracle,
+    f64,
+    run_oracle,
+)
 
 import vllm_cpu_lora
 from vllm_cpu_lora import ops
@@ -39,15 +47,6 @@ F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 DTYPES = (F32, BF16, F16)
 I32, I64 = torch.int32, torch.int64
 
-SHRINK_OPS = ("bgmv_shrink", "sgmv_shrink")
-EXPAND_OPS = (
-    "bgmv_expand",
-    "bgmv_expand_slice",
-    "sgmv_expand",
-    "sgmv_expand_slice",
-)
-DISPATCH_OPS = ("dispatch_bgmv", "dispatch_bgmv_low_level")
-ALL_OPS = SHRINK_OPS + EXPAND_OPS + DISPATCH_OPS
 
 # Index patterns of the bgmv and dispatch ops.
 PATTERNS = ("none", "same", "distinct", "runs", "random")
