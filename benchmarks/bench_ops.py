@@ -205,30 +205,46 @@ __attribute__((target("amx-tile,amx-bf16"))) float AmxLoop(int64_t iters,
   return sum;
 }
 
+// Runs body(thread id), which returns a value to keep alive, on `threads`
+// threads. Timed from a barrier after every thread has started to one after
+// all finished, so a late thread start (a busy machine) is not counted.
+struct Timed {
+  double seconds;
+  int threads;
+  double sink;
+};
+
+template <class Body>
+Timed TimedParallel(int64_t threads, Body body) {
+  double sink = 0.0;
+  int used = 1;
+  double t0 = 0.0, t1 = 0.0;
+#pragma omp parallel num_threads(threads) reduction(+ : sink)
+  {
+#pragma omp barrier
+#pragma omp master
+    t0 = Now();
+    const int tid = omp_get_thread_num();
+    if (tid == 0) used = omp_get_num_threads();
+    sink += static_cast<double>(body(tid));
+#pragma omp barrier
+#pragma omp master
+    t1 = Now();
+  }
+  return Timed{t1 - t0, used, sink};
+}
+
 }  // namespace
 
 // FLOP/s of `threads` threads each running `iters` x 4 tdpbf16ps; 0 when
 // the OS does not grant AMX tile state.
 double amx_bf16_peak(int64_t iters, int64_t threads, double seed) {
   if (!at::cpu::init_amx()) return 0.0;
-  float total = 0.0f;
-  int used = 1;
-  double t0 = 0.0, t1 = 0.0;
-#pragma omp parallel num_threads(threads) reduction(+ : total)
-  {
-    // Time from a barrier after every thread has started to one after all
-    // finished, so a late thread start (a busy machine) is not counted.
-#pragma omp barrier
-#pragma omp master
-    t0 = Now();
-    if (omp_get_thread_num() == 0) used = omp_get_num_threads();
-    total += AmxLoop(iters, static_cast<float>(seed));
-#pragma omp barrier
-#pragma omp master
-    t1 = Now();
-  }
-  g_fsink = total;
-  return 16384.0 * 4 * iters * used / (t1 - t0);
+  const Timed r = TimedParallel(threads, [&](int) {
+    return AmxLoop(iters, static_cast<float>(seed));
+  });
+  g_fsink = static_cast<float>(r.sink);
+  return 16384.0 * 4 * iters * r.threads / r.seconds;
 }
 
 // Bytes per second read from `buf` by `threads` threads, each summing its own
@@ -237,71 +253,30 @@ double read_bandwidth(torch::Tensor buf, int64_t reps, int64_t threads) {
   const char* p = static_cast<const char*>(buf.data_ptr());
   const int64_t bytes = buf.numel() * buf.element_size();
   const int64_t slice = bytes / threads / 512 * 512;
-  int64_t total = 0;
-  int used = 1;
-  double t0 = 0.0, t1 = 0.0;
-#pragma omp parallel num_threads(threads) reduction(+ : total)
-  {
-    // Time from a barrier after every thread has started to one after all
-    // finished, so a late thread start (a busy machine) is not counted.
-#pragma omp barrier
-#pragma omp master
-    t0 = Now();
-    const int tid = omp_get_thread_num();
-    if (tid == 0) used = omp_get_num_threads();
-    total += ReadSum(p + tid * slice, slice, reps);
-#pragma omp barrier
-#pragma omp master
-    t1 = Now();
-  }
-  g_isink = total;
-  return static_cast<double>(slice) * used * reps / (t1 - t0);
+  const Timed r = TimedParallel(
+      threads, [&](int tid) { return ReadSum(p + tid * slice, slice, reps); });
+  g_isink = static_cast<int64_t>(r.sink);
+  return static_cast<double>(slice) * r.threads * reps / r.seconds;
 }
 
 // FLOP/s of `threads` threads each running `iters` x kAcc vdpbf16ps
 // (64 flops each: 16 lanes x 2 products x multiply-add).
 double bf16_dot_peak(int64_t iters, int64_t threads, double seed) {
-  float total = 0.0f;
-  int used = 1;
-  double t0 = 0.0, t1 = 0.0;
-#pragma omp parallel num_threads(threads) reduction(+ : total)
-  {
-    // Time from a barrier after every thread has started to one after all
-    // finished, so a late thread start (a busy machine) is not counted.
-#pragma omp barrier
-#pragma omp master
-    t0 = Now();
-    if (omp_get_thread_num() == 0) used = omp_get_num_threads();
-    total += DpBf16Loop(iters, static_cast<float>(seed));
-#pragma omp barrier
-#pragma omp master
-    t1 = Now();
-  }
-  g_fsink = total;
-  return 64.0 * kAcc * iters * used / (t1 - t0);
+  const Timed r = TimedParallel(threads, [&](int) {
+    return DpBf16Loop(iters, static_cast<float>(seed));
+  });
+  g_fsink = static_cast<float>(r.sink);
+  return 64.0 * kAcc * iters * r.threads / r.seconds;
 }
 
 // FLOP/s of `threads` threads each running `iters` x kAcc vfmadd231ps
 // (32 flops each).
 double fp32_fma_peak(int64_t iters, int64_t threads, double seed) {
-  float total = 0.0f;
-  int used = 1;
-  double t0 = 0.0, t1 = 0.0;
-#pragma omp parallel num_threads(threads) reduction(+ : total)
-  {
-    // Time from a barrier after every thread has started to one after all
-    // finished, so a late thread start (a busy machine) is not counted.
-#pragma omp barrier
-#pragma omp master
-    t0 = Now();
-    if (omp_get_thread_num() == 0) used = omp_get_num_threads();
-    total += FmaLoop(iters, static_cast<float>(seed));
-#pragma omp barrier
-#pragma omp master
-    t1 = Now();
-  }
-  g_fsink = total;
-  return 32.0 * kAcc * iters * used / (t1 - t0);
+  const Timed r = TimedParallel(threads, [&](int) {
+    return FmaLoop(iters, static_cast<float>(seed));
+  });
+  g_fsink = static_cast<float>(r.sink);
+  return 32.0 * kAcc * iters * r.threads / r.seconds;
 }
 """
 

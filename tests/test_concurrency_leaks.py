@@ -25,23 +25,14 @@ import threading
 
 import pytest
 import torch
-from oracle import assert_close_to_oracle, f64, run_oracle
+from oracle import ALL_OPS, assert_close_to_oracle, f64, run_oracle
 
 import vllm_cpu_lora
 
 ISA_ENV = "VLLM_CPU_LORA_ISA"
 SANITIZED = os.environ.get("VLLM_CPU_LORA_SANITIZED") == "1"
 
-OPS = (
-    "bgmv_shrink",
-    "bgmv_expand",
-    "bgmv_expand_slice",
-    "sgmv_shrink",
-    "sgmv_expand",
-    "sgmv_expand_slice",
-    "dispatch_bgmv",
-    "dispatch_bgmv_low_level",
-)
+OPS = ALL_OPS
 SHRINK_LIKE = ("bgmv_shrink", "sgmv_shrink", "dispatch_bgmv")
 
 THREADS = 4
