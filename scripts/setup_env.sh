@@ -15,6 +15,6 @@ fi
 
 # Always pin torch: an unpinned torch pulls a multi-GB CUDA build.
 pip install -q "torch==2.13.0" setuptools wheel ninja \
-  pytest hypothesis expecttest numpy matplotlib
+  pytest hypothesis expecttest numpy matplotlib tqdm
 pip install -q --no-build-isolation -e .
 python -c "import vllm_cpu_lora as v; print('vllm_cpu_lora built; ISA paths:', v.supported_isas())"

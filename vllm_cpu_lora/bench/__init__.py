@@ -1,0 +1,7 @@
+"""Benchmarks of vllm_cpu_lora, runnable as ``python -m vllm_cpu_lora.bench``.
+
+Parts: ``kernels`` (the ops against vLLM's torch algorithm, grouped torch and
+the measured hardware bound), ``layer`` (LoRA's share of a Llama-7B layer),
+``vllm_e2e`` (CPU vLLM tokens/s with and without adapters) and ``ipex``
+(Intel Extension for PyTorch's punica ops, in a side environment).
+"""
