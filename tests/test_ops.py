@@ -563,7 +563,8 @@ SHRINK_SHAPES = (
 )
 
 # (batch, rank, weight rows, output width, loras), output width in {1, 17,
-# 100, 4099}; weight rows both above (clipped) and below the output width.
+# 100, 4099}; weight rows both above (clipped) and below the output width;
+# one-token groups with rank >= 32 take the rows tiles (odd rank 33 too).
 EXPAND_SHAPES = (
     (0, 16, 100, 100, 4),
     (1, 1, 1, 1, 1),
@@ -577,6 +578,7 @@ EXPAND_SHAPES = (
     (5, 16, 120, 100, 4),
     (37, 3, 17, 100, 128),
     (5, 64, 4099, 4099, 4),
+    (3, 33, 100, 100, 4),
 )
 
 

@@ -269,21 +269,69 @@ struct LoraKernel {
     }
   }
 
+  // o[0..nc) = scale * r (+ o), nc <= kL.
+  static void StoreVec(const LoraArgs& a, TO* o, F r, int nc) {
+    r = V::Mul(r, V::Set1(a.scale));
+    if (nc >= kL) {
+      if (a.add) r = V::Add(r, V::Load(o));
+      V::Store(o, r);
+    } else {
+      if (a.add) r = V::Add(r, V::LoadPartial(o, nc));
+      V::StorePartial(o, r, nc);
+    }
+  }
+
   // o[0..nc) = scale * acc (+ o), nc <= kNT.
   static void StoreRow(const LoraArgs& a, TO* o, const F (&acc)[kNV], int nc) {
-    const F scale = V::Set1(a.scale);
-    for (int v = 0; v < kNV; ++v) {
-      const int cols = nc - v * kL;
-      if (cols <= 0) break;
-      F r = V::Mul(acc[v], scale);
-      if (cols >= kL) {
-        if (a.add) r = V::Add(r, V::Load(o + v * kL));
-        V::Store(o + v * kL, r);
-      } else {
-        if (a.add) r = V::Add(r, V::LoadPartial(o + v * kL, cols));
-        V::StorePartial(o + v * kL, r, cols);
+    for (int v = 0; v < kNV && v * kL < nc; ++v) {
+      StoreVec(a, o + v * kL, acc[v], nc - v * kL);
+    }
+  }
+
+  // -------------------------------------------------------------- rows --
+  // One token (inputs converted to xc, rows entries) against weight rows
+  // [n, n + nr), nr <= kL, read in place: kL dot products along k at once,
+  // turned into kL adjacent outputs by V::SumLanes. For groups of a token or
+  // two this beats repacking, whose transposes would serve too few tokens.
+  static void RowsTile(const LoraArgs& a, const TW* wa, const PackT* xc,
+                       int64_t n, int nr, TO* o) {
+    const TW* wr[kL];
+    F acc[kL];
+    for (int j = 0; j < kL; ++j) {
+      // Rows past the end repeat the last valid one; their sums are dropped.
+      wr[j] = wa + (n + std::min(j, nr - 1)) * a.w_row_stride;
+      acc[j] = V::Zero();
+    }
+    const int64_t k = a.k;
+    int64_t kk = 0;
+    if constexpr (kPairs) {
+      constexpr int kS = V::kPairLanes;
+      for (; kk + kS <= k; kk += kS) {
+        const typename V::BH xv = V::LoadPacked(xc + kk / 2);
+        for (int j = 0; j < kL; ++j)
+          acc[j] = V::Dot(acc[j], xv, V::LoadPairs(wr[j] + kk));
+      }
+      if (kk < k) {
+        const int rest = static_cast<int>(k - kk);
+        const typename V::BH xv =
+            V::LoadPackedPartial(xc + kk / 2, (rest + 1) / 2);
+        for (int j = 0; j < kL; ++j)
+          acc[j] = V::Dot(acc[j], xv, V::LoadPairsPartial(wr[j] + kk, rest));
+      }
+    } else {
+      for (; kk + kL <= k; kk += kL) {
+        const F xv = V::Load(xc + kk);
+        for (int j = 0; j < kL; ++j)
+          acc[j] = V::Fma(xv, V::Load(wr[j] + kk), acc[j]);
+      }
+      if (kk < k) {
+        const int rest = static_cast<int>(k - kk);
+        const F xv = V::LoadPartial(xc + kk, rest);
+        for (int j = 0; j < kL; ++j)
+          acc[j] = V::Fma(xv, V::LoadPartial(wr[j] + kk, rest), acc[j]);
       }
     }
+    StoreVec(a, o + n, V::SumLanes(acc), nr);
   }
 
   // Per work item: convert its tokens' inputs, pack all of its columns
@@ -306,12 +354,23 @@ struct LoraKernel {
         xc.reset(new PackT[count * rows]);
         xc_tokens = count;
       }
+      ConvertInputs(a, tok, count, xc.get());
+      const TW* wa = w + g.adapter * a.w_adapter_stride;
+      if (count <= RowsMaxTokens(a.k)) {
+        TO* out = static_cast<TO*>(a.out);
+        for (int64_t n = item.n0; n < item.n1; n += kL) {
+          const int nr = static_cast<int>(std::min<int64_t>(kL, item.n1 - n));
+          for (int64_t i = 0; i < count; ++i) {
+            RowsTile(a, wa, xc.get() + i * rows, n, nr,
+                     out + tok[i] * a.out_row_stride);
+          }
+        }
+        continue;
+      }
       if (blocks > packed_blocks) {
         packed.reset(new PackT[blocks * rows * kNT]);
         packed_blocks = blocks;
       }
-      ConvertInputs(a, tok, count, xc.get());
-      const TW* wa = w + g.adapter * a.w_adapter_stride;
       auto block_cols = [&](int64_t b) {
         return static_cast<int>(
             std::min<int64_t>(kNT, item.n1 - item.n0 - b * kNT));

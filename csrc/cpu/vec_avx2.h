@@ -29,6 +29,23 @@ struct VecAvx2 {
     return _mm_cvtss_f32(s);
   }
 
+  // Lane j of the result = the sum of the lanes of acc[j] (transpose-add).
+  static F SumLanes(const F (&acc)[kLanes]) {
+    F c[4], d[2];
+    for (int i = 0; i < 4; ++i) {
+      c[i] = _mm256_add_ps(_mm256_unpacklo_ps(acc[2 * i], acc[2 * i + 1]),
+                           _mm256_unpackhi_ps(acc[2 * i], acc[2 * i + 1]));
+    }
+    for (int i = 0; i < 2; ++i) {
+      const __m256d lo = _mm256_castps_pd(c[2 * i]);
+      const __m256d hi = _mm256_castps_pd(c[2 * i + 1]);
+      d[i] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(lo, hi)),
+                           _mm256_castpd_ps(_mm256_unpackhi_pd(lo, hi)));
+    }
+    return _mm256_add_ps(_mm256_permute2f128_ps(d[0], d[1], 0x20),
+                         _mm256_permute2f128_ps(d[0], d[1], 0x31));
+  }
+
   static F Widen(__m128i h, c10::BFloat16) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
   }

@@ -27,6 +27,28 @@ struct VecAvx512 {
   static F Mul(F a, F b) { return _mm512_mul_ps(a, b); }
   static float Reduce(F v) { return _mm512_reduce_add_ps(v); }
 
+  // Lane j of the result = the sum of the lanes of acc[j]: a transpose-add
+  // tree of 30 shuffles and 15 adds for 16 dot products at once.
+  static F SumLanes(const F (&acc)[kLanes]) {
+    F c[8], d[4], e[2];
+    for (int i = 0; i < 8; ++i) {  // Per 128-bit lane: a02 b02 a13 b13.
+      c[i] = _mm512_add_ps(_mm512_unpacklo_ps(acc[2 * i], acc[2 * i + 1]),
+                           _mm512_unpackhi_ps(acc[2 * i], acc[2 * i + 1]));
+    }
+    for (int i = 0; i < 4; ++i) {  // Per 128-bit lane: rows 4i .. 4i + 3.
+      const __m512d lo = _mm512_castps_pd(c[2 * i]);
+      const __m512d hi = _mm512_castps_pd(c[2 * i + 1]);
+      d[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(lo, hi)),
+                           _mm512_castpd_ps(_mm512_unpackhi_pd(lo, hi)));
+    }
+    for (int i = 0; i < 2; ++i) {  // 128-bit lanes summed in pairs.
+      e[i] = _mm512_add_ps(_mm512_shuffle_f32x4(d[2 * i], d[2 * i + 1], 0x88),
+                           _mm512_shuffle_f32x4(d[2 * i], d[2 * i + 1], 0xdd));
+    }
+    return _mm512_add_ps(_mm512_shuffle_f32x4(e[0], e[1], 0x88),
+                         _mm512_shuffle_f32x4(e[0], e[1], 0xdd));
+  }
+
   static F FromBf16(__m256i h) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   }
@@ -128,6 +150,9 @@ struct VecAvx512 {
   }
 
   static BH LoadPacked(const uint32_t* p) { return (BH)_mm512_loadu_si512(p); }
+  static BH LoadPackedPartial(const uint32_t* p, int n) {
+    return (BH)_mm512_maskz_loadu_epi32(Mask16(n), p);
+  }
   static BH BroadcastPair(uint32_t pair) {
     return (BH)_mm512_set1_epi32(static_cast<int>(pair));
   }

@@ -16,6 +16,7 @@ struct VecScalar {
   static F Add(F a, F b) { return a + b; }
   static F Mul(F a, F b) { return a * b; }
   static float Reduce(F v) { return v; }
+  static F SumLanes(const F (&acc)[kLanes]) { return acc[0]; }
 
   template <class T>
   static F Load(const T* p) {
