@@ -30,3 +30,22 @@ def build_dir(name: str) -> pathlib.Path:
     path = root / "bench-build" / name
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def progress(items, desc: str):
+    """items wrapped in a tqdm progress bar (on stderr), if tqdm is there."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return items
+    return tqdm(items, desc=desc, unit="case", dynamic_ncols=True)
+
+
+def say(text: str) -> None:
+    """Prints a line without breaking a progress bar."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        print(text, flush=True)
+    else:
+        tqdm.write(text)
