@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # Creates .venv (once) with the pinned CPU torch and the test/bench tools, then
-# builds the extension against that torch (--no-build-isolation: the C++ ABI
-# must match the torch it runs with). Safe to rerun; a rerun rebuilds only
-# what changed.
+# builds the extension in place against that torch (the C++ ABI must match
+# the torch it runs with). Safe to rerun; a rerun rebuilds only what changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -16,5 +15,10 @@ fi
 # Always pin torch: an unpinned torch pulls a multi-GB CUDA build.
 pip install -q "torch==2.13.0" setuptools wheel ninja \
   pytest hypothesis expecttest numpy matplotlib tqdm
-pip install -q --no-build-isolation -e .
+# Built in place, incrementally (ninja, objects in build/): pip's editable
+# install would rebuild everything in a temporary directory on every run.
+# A .pth file puts the checkout on the venv's path instead.
+python setup.py -q build_ext --inplace
+site="$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+pwd >"$site/vllm_cpu_lora_checkout.pth"
 python -c "import vllm_cpu_lora as v; print('vllm_cpu_lora built; ISA paths:', v.supported_isas())"
