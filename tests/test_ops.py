@@ -172,8 +172,20 @@ def sgmv_segments(tokens, loras, pattern, gen, dtype) -> Segments:
     "none": every segment has adapter -1; "same": one adapter, every token
     covered; "distinct": random adapters, every token covered; "mixed":
     adapters, a -1 segment, tokens covered by no segment, an empty segment,
-    and an extra entry past `batches` that must not be read.
+    and an extra entry past `batches` that must not be read; "decode": one
+    segment per token, adapters taken in turn with every fifth -1 (how vLLM's
+    CPU runner calls sgmv for a decode step).
     """
+    if pattern == "decode":
+        segments = [
+            (t, 1, -1 if t % 5 == 4 else t % loras) for t in range(tokens)
+        ]
+        order = torch.randperm(tokens, generator=gen).tolist()
+        columns = zip(*[segments[i] for i in order], strict=True)
+        starts, lengths, adapters = (
+            torch.tensor(c, dtype=dtype) for c in columns
+        )
+        return Segments(starts, lengths, adapters, tokens, 1)
     pieces = min(tokens, 5)
     cuts = []
     if pieces > 1:
@@ -945,6 +957,43 @@ def test_empty_reduction(op, isa):
             )
         ]
     for call in calls:
+        check(call, isa)
+
+
+@pytest.mark.parametrize("rank", (16, 64))
+@pytest.mark.parametrize(
+    "op", ("sgmv_shrink", "sgmv_expand", "sgmv_expand_slice")
+)
+def test_sgmv_decode_segments(op, rank, isa):
+    """One single-token segment per request, adapters in turn: the segments
+    of an adapter are gathered into one group (weights read once)."""
+    gen = make_generator("sgmv_decode", op, rank)
+    for dtypes in SHRINK_FAST_COMBOS if "shrink" in op else EXPAND_FAST_COMBOS:
+        if "shrink" in op:
+            call = shrink_call(
+                op,
+                dtypes,
+                batch=37,
+                hidden=2049,
+                rank=rank,
+                loras=4,
+                gen=gen,
+                pattern="decode",
+                scale=0.5,
+            )
+        else:
+            call = expand_call(
+                op,
+                dtypes,
+                batch=37,
+                rank=rank,
+                w_rows=4099,
+                out_width=4099,
+                loras=4,
+                pattern="decode",
+                add=True,
+                gen=gen,
+            )
         check(call, isa)
 
 

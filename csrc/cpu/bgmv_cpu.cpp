@@ -508,18 +508,33 @@ Segments ReadSegments(const at::Tensor& b_seq_start_loc,
   return s;
 }
 
-// Segment groups: tokens are the identity, so a group is a range.
-void SegmentGroups(const Segments& s, int64_t num_tokens,
+// Segment groups: the segments of one adapter form one group, their token
+// ranges one after another, so each adapter's weights are read once per call
+// however its tokens are split. (vLLM's CPU runner also sends decode steps
+// through sgmv, one single-token segment per request.)
+void SegmentGroups(const Segments& s, int64_t num_adapters,
                    std::vector<Group>* groups, std::vector<int64_t>* tokens,
                    std::vector<int64_t>* no_lora) {
-  tokens->resize(num_tokens);
-  std::iota(tokens->begin(), tokens->end(), 0);
+  std::vector<int64_t> starts(num_adapters + 1, 0);
   for (size_t i = 0; i < s.start.size(); ++i) {
-    if (s.len[i] == 0) continue;
     if (s.lora[i] >= 0) {
-      groups->push_back(Group{s.lora[i], s.start[i], s.len[i]});
+      starts[s.lora[i] + 1] += s.len[i];
     } else {
       for (int64_t t = 0; t < s.len[i]; ++t) no_lora->push_back(s.start[i] + t);
+    }
+  }
+  std::partial_sum(starts.begin(), starts.end(), starts.begin());
+  tokens->assign(starts[num_adapters], 0);
+  std::vector<int64_t> fill(starts.begin(), starts.end() - 1);
+  for (size_t i = 0; i < s.start.size(); ++i) {
+    if (s.lora[i] < 0) continue;
+    int64_t* dst = tokens->data() + fill[s.lora[i]];
+    std::iota(dst, dst + s.len[i], s.start[i]);
+    fill[s.lora[i]] += s.len[i];
+  }
+  for (int64_t a = 0; a < num_adapters; ++a) {
+    if (starts[a + 1] > starts[a]) {
+      groups->push_back(Group{a, starts[a], starts[a + 1] - starts[a]});
     }
   }
 }
@@ -543,7 +558,7 @@ void SgmvShrink(const at::Tensor& inputs, const at::Tensor& lora_a_weights,
                    batches, inputs.size(0), w.num_adapters);
   std::vector<Group> groups;
   std::vector<int64_t> tokens, no_lora;
-  SegmentGroups(s, inputs.size(0), &groups, &tokens, &no_lora);
+  SegmentGroups(s, w.num_adapters, &groups, &tokens, &no_lora);
   p.n = w.rows;
   p.scale = static_cast<float>(scaling);
   ZeroRows(p.out, no_lora, p.n);
@@ -571,7 +586,7 @@ void SgmvExpandSlice(const at::Tensor& inputs, const at::Tensor& lora_b_weights,
                    batches, inputs.size(0), w.num_adapters);
   std::vector<Group> groups;
   std::vector<int64_t> tokens, no_lora;
-  SegmentGroups(s, inputs.size(0), &groups, &tokens, &no_lora);
+  SegmentGroups(s, w.num_adapters, &groups, &tokens, &no_lora);
   p.col0 = slice_offset;
   p.n = std::min(w.rows, slice_size);
   p.add = add_inputs;
