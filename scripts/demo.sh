@@ -5,7 +5,7 @@
 # to it, e.g. --compare to run vLLM's own torch ops too and compare tokens).
 #
 # Sets up first (scripts/setup_vllm_env.sh): without a cached CPU build of
-# vLLM that means building one, 45-80 minutes on 2 cores, once.
+# vLLM that means building one, 30-80 minutes on 2 cores, once.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

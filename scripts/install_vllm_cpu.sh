@@ -9,7 +9,7 @@
 # vLLM's PyPI wheel is a CUDA build; a CPU build has to be compiled from the
 # source distribution. This script needs nothing but the package registries
 # (PyPI, and Debian for oneDNN's source, which vLLM would otherwise clone
-# from GitHub). The first run builds a wheel (45-80 minutes on 2 cores: 79
+# from GitHub). The first run builds a wheel (30-80 minutes on 2 cores: 79
 # measured while other jobs competed for them) and keeps it in the cache;
 # later runs only install it (1-3 minutes).
 # Running it again on an environment it already installed returns at once.
@@ -34,7 +34,7 @@ readonly TORCH_VERSION=2.13.0
 # torchaudio, torchvision, ... that a LoRA serving path does not need.
 readonly NUMBA_REQ="numba==0.65.0"
 readonly ONEDNN_DEB_VERSION=3.7.2+ds-2
-readonly BUILD_MINUTES="45-80"
+readonly BUILD_MINUTES="30-80"
 
 CACHE="${VLLM_CPU_LORA_CACHE:-$HOME/.cache/vllm-cpu-lora}"
 SCRIPT_START=$(date +%s)

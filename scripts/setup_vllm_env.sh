@@ -3,7 +3,7 @@
 # $VLLM_CPU_LORA_VLLM_VENV (default .venv-vllm in the repository) with the
 # pinned CPU torch, a CPU build of vLLM (scripts/install_vllm_cpu.sh: from
 # the wheel it keeps in ~/.cache/vllm-cpu-lora, built first if there is none,
-# which takes 45-80 minutes on 2 cores) and this package, built by
+# which takes 30-80 minutes on 2 cores) and this package, built by
 # scripts/setup_env.sh in .venv (the same torch) and installed as a wheel.
 # Prints the environment's directory on its last line. Safe to rerun.
 set -euo pipefail

@@ -5,7 +5,7 @@
 # Usage: scripts/test_vllm.sh [PYTEST_ARGS...]
 #
 # The environment comes from scripts/setup_vllm_env.sh (.venv-vllm; a first
-# run builds CPU vLLM, 45-80 minutes on 2 cores, later runs take minutes).
+# run builds CPU vLLM, 30-80 minutes on 2 cores, later runs take minutes).
 # Unlike scripts/test.sh, a missing vLLM is an error here, and so is any
 # skipped test.
 set -euo pipefail
