@@ -1,9 +1,12 @@
-"""What the benchmark parts share: where results go, where builds go."""
+"""What the benchmark parts share: where results go, where builds go, the
+command line of the parts that time both thread counts."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import pathlib
+from collections.abc import Sequence
 
 
 def default_out_dir(quick: bool = False) -> pathlib.Path:
@@ -49,3 +52,25 @@ def say(text: str) -> None:
         print(text, flush=True)
     else:
         tqdm.write(text)
+
+
+def parse_args(
+    argv: Sequence[str] | None, description: str, quick_help: str
+) -> argparse.Namespace:
+    """--quick, --threads both|all|1 and --out, shared by the parts."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    parser.add_argument(
+        "--threads",
+        choices=("both", "all", "1"),
+        default="both",
+        help="all threads (torch.get_num_threads()), 1, or both (default)",
+    )
+    parser.add_argument(
+        "--out",
+        type=pathlib.Path,
+        default=None,
+        help="output folder (default benchmarks/results, with --quick "
+        "benchmarks/results/quick)",
+    )
+    return parser.parse_args(argv)

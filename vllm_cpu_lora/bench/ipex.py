@@ -916,24 +916,9 @@ def write_outputs(out_dir: pathlib.Path, report: dict) -> None:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "--quick", action="store_true", help="small subset (smoke test)"
+    return common.parse_args(
+        argv, __doc__.split("\n")[0], "small subset (smoke test)"
     )
-    parser.add_argument(
-        "--threads",
-        choices=("both", "all", "1"),
-        default="both",
-        help="all threads (torch.get_num_threads()), 1, or both (default)",
-    )
-    parser.add_argument(
-        "--out",
-        type=pathlib.Path,
-        default=None,
-        help="output folder (default benchmarks/results, with --quick "
-        "benchmarks/results/quick)",
-    )
-    return parser.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
