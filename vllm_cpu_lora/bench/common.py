@@ -74,3 +74,17 @@ def parse_args(
         "benchmarks/results/quick)",
     )
     return parser.parse_args(argv)
+
+
+def thread_counts(choice: str, all_threads: int) -> list[int]:
+    """The thread counts --threads both|all|1 asks for, without repeats."""
+    counts = {"both": [all_threads, 1], "all": [all_threads], "1": [1]}
+    return list(dict.fromkeys(counts[choice]))
+
+
+def load_average() -> float:
+    """1-minute load average (NaN where the OS has none)."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return float("nan")

@@ -94,13 +94,6 @@ def load_ipex() -> tuple[object | None, dict]:
     return torch.ops.torch_ipex, info
 
 
-def _load_average() -> float:
-    try:
-        return os.getloadavg()[0]
-    except OSError:
-        return math.nan
-
-
 def _openmp_runtimes() -> list[str]:
     """OpenMP runtimes mapped into this process (one is wanted: then
     torch.set_num_threads governs IPEX's and our parallel loops alike)."""
@@ -559,7 +552,7 @@ def run_cases(
             "family": case.family,
             "hidden": _HIDDEN,
             "threads": threads,
-            "load_average": _load_average(),
+            "load_average": common.load_average(),
             "check": verdicts,
         }
         if any(v.get("raised") for v in verdicts.values()):
@@ -927,13 +920,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     all_threads = torch.get_num_threads()
-    thread_counts = list(
-        dict.fromkeys(
-            {"both": [all_threads, 1], "all": [all_threads], "1": [1]}[
-                args.threads
-            ]
-        )
-    )
+    thread_counts = common.thread_counts(args.threads, all_threads)
     ipex_ops, ipex_info = load_ipex()
     machine = kernels.describe_machine(all_threads)
     machine["build_note"] = os.environ.get(
@@ -952,7 +939,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"CPU: {machine['cpu']}; torch {machine['torch']}")
     if ipex_ops is None:
         print(f"IPEX not usable: {ipex_info['reason']}", file=sys.stderr)
-        machine["load_average_end"] = _load_average()
+        machine["load_average_end"] = common.load_average()
         report["elapsed_s"] = time.perf_counter() - started
         report["summary"] = {"line": ipex_info["reason"]}
         write_outputs(out_dir, report)
@@ -982,7 +969,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         torch.set_num_threads(all_threads)
 
-    machine["load_average_end"] = _load_average()
+    machine["load_average_end"] = common.load_average()
     mark_starved(report["results"])
     report["summary"] = summarize(report["results"])
     report["elapsed_s"] = time.perf_counter() - started

@@ -517,15 +517,8 @@ def describe_machine(all_threads: int) -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
             timespec="seconds"
         ),
-        "load_average_start": _load_average(),
+        "load_average_start": common.load_average(),
     }
-
-
-def _load_average() -> float:
-    try:
-        return os.getloadavg()[0]
-    except OSError:
-        return float("nan")
 
 
 # ------------------------------------------------------ grouped pure torch
@@ -1331,12 +1324,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     all_threads = torch.get_num_threads()
-    thread_counts = {
-        "both": [all_threads, 1],
-        "all": [all_threads],
-        "1": [1],
-    }[args.threads]
-    thread_counts = list(dict.fromkeys(thread_counts))
+    thread_counts = common.thread_counts(args.threads, all_threads)
     machine = describe_machine(all_threads)
     print(f"CPU: {machine['cpu']}; flags: {' '.join(machine['flags'])}")
     print(
@@ -1381,7 +1369,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         torch.set_num_threads(all_threads)
 
-    machine["load_average_end"] = _load_average()
+    machine["load_average_end"] = common.load_average()
     summary, targets = summarize(results, fixed, all_threads)
     elapsed = time.perf_counter() - started
     print()

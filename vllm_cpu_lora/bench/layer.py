@@ -935,26 +935,13 @@ def _write(text: str) -> None:
     tqdm.write(text, file=sys.stdout)
 
 
-def _load_average() -> float:
-    try:
-        return os.getloadavg()[0]
-    except OSError:
-        return float("nan")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     out_dir = args.out or common.default_out_dir(args.quick)
     out_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     all_threads = torch.get_num_threads()
-    thread_counts = list(
-        dict.fromkeys(
-            {"both": [all_threads, 1], "all": [all_threads], "1": [1]}[
-                args.threads
-            ]
-        )
-    )
+    thread_counts = common.thread_counts(args.threads, all_threads)
     machine = kernels.describe_machine(all_threads)
     print(
         f"CPU: {machine['cpu']}; torch {machine['torch']}, threads "
@@ -1013,7 +1000,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         torch.set_num_threads(all_threads)
 
-    machine["load_average_end"] = _load_average()
+    machine["load_average_end"] = common.load_average()
     items = targets(results)
     setup["elapsed_s"] = time.perf_counter() - started
     print()

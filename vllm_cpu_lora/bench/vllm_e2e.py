@@ -964,7 +964,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import vllm
 
     from vllm_cpu_lora.bench import common
-    from vllm_cpu_lora.bench.kernels import _load_average, describe_machine
+    from vllm_cpu_lora.bench.kernels import describe_machine
 
     out_dir = args.out or common.default_out_dir(args.quick)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -980,7 +980,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     models = ensure_models(settings.num_layers)
     result = run(settings, models)
-    machine["load_average_end"] = _load_average()
+    machine["load_average_end"] = common.load_average()
     base_config = json.loads(
         (pathlib.Path(models["base"]) / "config.json").read_text()
     )
