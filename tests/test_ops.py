@@ -796,6 +796,45 @@ def test_exact_integers(op, dtypes, isa):
 # ------------------------------------------------------ memory layouts --
 
 
+# The "rows" tiles of expand (few tokens per adapter, weight rows read in
+# place): ranks 4 and 8 (fp32) / 8 and 16 (bf16 pairs) put several rows in one
+# vector, 32-256 take the fixed-rank tiles, 33 the generic ones; up to
+# bgmv_params.h's RowsMaxTokens tokens per adapter, and one more.
+ROWS_RANKS = (4, 8, 16, 32, 33, 64, 128, 256)
+ROWS_TOKENS = (1, 2, 3, 5, 9)
+
+
+@pytest.mark.parametrize("layout", ("contiguous", "embedded"))
+@pytest.mark.parametrize("rank", ROWS_RANKS)
+@pytest.mark.parametrize("op", ("bgmv_expand", "bgmv_expand_slice"))
+def test_expand_rows_tiles(op, rank, layout, isa):
+    """Every token count around the rows/pack switch, output widths with a
+    partial last tile of every size class; "embedded": weight rows not
+    contiguous (the grouped and fixed-rank tiles must not be used)."""
+    gen = make_generator("rows_tiles", op, rank, layout)
+    for dtypes in EXPAND_FAST_COMBOS:
+        for tokens, width in zip(
+            ROWS_TOKENS, (1003, 297, 16, 1, 530), strict=True
+        ):
+            call = expand_call(
+                op,
+                dtypes,
+                batch=tokens,
+                rank=rank,
+                w_rows=width,
+                out_width=width + (5 if op.endswith("_slice") else 0),
+                loras=1,
+                pattern="same",
+                add=tokens % 2 == 1,
+                gen=gen,
+                slice_size=width,
+            )
+            if layout == "embedded":
+                w, _ = embedded(call.args[call.w])
+                call.args[call.w] = w
+            check(call, isa)
+
+
 def transposed(t: torch.Tensor) -> torch.Tensor:
     """The same values with the last two dimensions swapped in memory, so
     the last dimension is not contiguous."""

@@ -60,6 +60,16 @@ inline uint16_t Bf16Bits(T v) {
   return b.x;
 }
 
+// The vector type of bf16 pairs where the policy has one (kPairs), else F.
+template <class V, bool kPairs>
+struct PairVec {
+  using Type = typename V::F;
+};
+template <class V>
+struct PairVec<V, true> {
+  using Type = typename V::BH;
+};
+
 template <class V, class TX, class TW, class TO>
 struct LoraKernel {
   using F = typename V::F;
@@ -289,49 +299,184 @@ struct LoraKernel {
   }
 
   // -------------------------------------------------------------- rows --
-  // One token (inputs converted to xc, rows entries) against weight rows
-  // [n, n + nr), nr <= kL, read in place: kL dot products along k at once,
-  // turned into kL adjacent outputs by V::SumLanes. For groups of a token or
-  // two this beats repacking, whose transposes would serve too few tokens.
-  static void RowsTile(const LoraArgs& a, const TW* wa, const PackT* xc,
-                       int64_t n, int nr, TO* o) {
-    const TW* wr[kL];
-    F acc[kL];
-    for (int j = 0; j < kL; ++j) {
-      // Rows past the end repeat the last valid one; their sums are dropped.
-      wr[j] = wa + (n + std::min(j, nr - 1)) * a.w_row_stride;
-      acc[j] = V::Zero();
-    }
+  // One token's converted inputs xc (rows entries) against weight rows
+  // [n, n + kL) read in place: kL dot products along k, turned into kL
+  // adjacent outputs by V::SumLanes. Rows at or past n + nr (nr <= kL) repeat
+  // row n + nr - 1; their lanes are dropped by the store. For groups of a
+  // token or two this beats repacking, whose transposes would serve too few
+  // tokens.
+  static F RowsTile(const LoraArgs& a, const TW* wa, const PackT* xc, int64_t n,
+                    int nr) {
     const int64_t k = a.k;
-    int64_t kk = 0;
+    F acc[kL];
+    // One row at a time, its whole reduction: a single live pointer, and
+    // the inputs are re-read from L1.
+    for (int j = 0; j < kL; ++j) {
+      const TW* row = wa + (n + std::min(j, nr - 1)) * a.w_row_stride;
+      F s = V::Zero();
+      int64_t kk = 0;
+      if constexpr (kPairs) {
+        constexpr int kS = V::kPairLanes;
+        for (; kk + kS <= k; kk += kS)
+          s = V::Dot(s, V::LoadPacked(xc + kk / 2), V::LoadPairs(row + kk));
+        if (kk < k) {
+          const int rest = static_cast<int>(k - kk);
+          s = V::Dot(s, V::LoadPackedPartial(xc + kk / 2, (rest + 1) / 2),
+                     V::LoadPairsPartial(row + kk, rest));
+        }
+      } else {
+        for (; kk + kL <= k; kk += kL)
+          s = V::Fma(V::Load(xc + kk), V::Load(row + kk), s);
+        if (kk < k) {
+          const int rest = static_cast<int>(k - kk);
+          s = V::Fma(V::LoadPartial(xc + kk, rest),
+                     V::LoadPartial(row + kk, rest), s);
+        }
+      }
+      acc[j] = s;
+    }
+    return V::SumLanes(acc);
+  }
+
+  // Weight elements per vector load: bf16 pairs or fp32 lanes.
+  static constexpr int LoadElems() {
     if constexpr (kPairs) {
-      constexpr int kS = V::kPairLanes;
-      for (; kk + kS <= k; kk += kS) {
-        const typename V::BH xv = V::LoadPacked(xc + kk / 2);
-        for (int j = 0; j < kL; ++j)
-          acc[j] = V::Dot(acc[j], xv, V::LoadPairs(wr[j] + kk));
-      }
-      if (kk < k) {
-        const int rest = static_cast<int>(k - kk);
-        const typename V::BH xv =
-            V::LoadPackedPartial(xc + kk / 2, (rest + 1) / 2);
-        for (int j = 0; j < kL; ++j)
-          acc[j] = V::Dot(acc[j], xv, V::LoadPairsPartial(wr[j] + kk, rest));
-      }
+      return V::kPairLanes;
     } else {
-      for (; kk + kL <= k; kk += kL) {
+      return kL;
+    }
+  }
+
+  // RowsTile for whole tiles (kL rows) of contiguous rows of exactly kK
+  // elements: every load is at a constant offset from `tile`, and the
+  // accumulators stay in registers.
+  template <int kK>
+  static F RowsTileFixed(const TW* tile, const PackT* xc) {
+    constexpr int kS = LoadElems();
+    static_assert(kK % kS == 0);
+    F acc[kL];
+    for (int j = 0; j < kL; ++j) acc[j] = V::Zero();
+#pragma GCC unroll 8
+    for (int kk = 0; kk < kK; kk += kS) {
+      if constexpr (kPairs) {
+        const typename V::BH xv = V::LoadPacked(xc + kk / 2);
+#pragma GCC unroll 16
+        for (int j = 0; j < kL; ++j)
+          acc[j] = V::Dot(acc[j], xv, V::LoadPairs(tile + j * kK + kk));
+      } else {
         const F xv = V::Load(xc + kk);
+#pragma GCC unroll 16
         for (int j = 0; j < kL; ++j)
-          acc[j] = V::Fma(xv, V::Load(wr[j] + kk), acc[j]);
-      }
-      if (kk < k) {
-        const int rest = static_cast<int>(k - kk);
-        const F xv = V::LoadPartial(xc + kk, rest);
-        for (int j = 0; j < kL; ++j)
-          acc[j] = V::Fma(xv, V::LoadPartial(wr[j] + kk, rest), acc[j]);
+          acc[j] = V::Fma(xv, V::Load(tile + j * kK + kk), acc[j]);
       }
     }
-    StoreVec(a, o + n, V::SumLanes(acc), nr);
+    return V::SumLanes(acc);
+  }
+
+  // Lanes per weight row when several short rows share a vector (G of the
+  // kL lanes each: bf16 pairs, or fp32 elements), 0 where that does not
+  // apply: the rows must be contiguous and G in {4, 8} (V::SumGroups).
+  static int RowGroupLanes(const LoraArgs& a) {
+    if constexpr (!V::kRowGroups) {
+      return 0;
+    } else {
+      const int64_t lanes = kPairs ? a.k / 2 : a.k;
+      const bool fits = (lanes == 4 || lanes == 8) &&
+                        (!kPairs || a.k % 2 == 0) && a.w_row_stride == a.k;
+      return fits ? static_cast<int>(lanes) : 0;
+    }
+  }
+
+  // Inputs repeated once per row of a vector, as the grouped rows tiles
+  // take them.
+  using XR = typename PairVec<V, kPairs>::Type;
+
+  // RowsTile for short contiguous rows, kL / G rows per vector: G vectors
+  // hold the kL rows [n, n + kL) (elements past row n + nr are not read),
+  // one product each with the token's inputs repeated per row (xr), and
+  // V::SumGroups sums each row's G lanes into its output lane.
+  template <int G>
+  static F RowsGroupTile(const TW* wa, int64_t k, int64_t n, int nr,
+                         const XR& xr) {
+    constexpr int64_t kElems = kPairs ? 2 * kL : kL;  // Elements per vector.
+    const TW* tile = wa + n * k;
+    const int64_t valid = nr * k;
+    F acc[G];
+    for (int q = 0; q < G; ++q) {
+      const int64_t left = valid - q * kElems;
+      if constexpr (kPairs) {
+        const typename V::BH w =
+            left >= kElems ? V::LoadPairs(tile + q * kElems)
+                           : V::LoadPairsPartial(
+                                 tile + q * kElems,
+                                 static_cast<int>(std::max<int64_t>(0, left)));
+        acc[q] = V::Dot(V::Zero(), xr, w);
+      } else {
+        const F w =
+            left >= kElems
+                ? V::Load(tile + q * kElems)
+                : V::LoadPartial(tile + q * kElems,
+                                 static_cast<int>(std::max<int64_t>(0, left)));
+        acc[q] = V::Mul(xr, w);
+      }
+    }
+    return V::template SumGroups<G>(acc);
+  }
+
+  // The rows tiles over columns [n0, n1) for `count` <= kRowsMaxTokens
+  // tokens (inputs xc): each tile of weight rows, read once from memory,
+  // serves every token from L1.
+  static void RunRows(const LoraArgs& a, const TW* wa, const PackT* xc,
+                      int64_t rows, const int64_t* tok, int64_t count,
+                      int64_t n0, int64_t n1) {
+    TO* out = static_cast<TO*>(a.out);
+    // kG: grouped tiles of kG lanes per row; else kK > 0: whole tiles of
+    // contiguous kK-element rows through RowsTileFixed.
+    auto sweep = [&](auto lanes, auto fixed_k) {
+      constexpr int kG = decltype(lanes)::value;
+      constexpr int kK = decltype(fixed_k)::value;
+      // The inputs repeated per row of a vector (grouped tiles only).
+      XR xr[kRowsMaxTokens];
+      if constexpr (kG > 0) {
+        for (int64_t i = 0; i < count; ++i)
+          xr[i] = V::template Repeat<kG>(xc + i * rows);
+      }
+      for (int64_t n = n0; n < n1; n += kL) {
+        const int nr = static_cast<int>(std::min<int64_t>(kL, n1 - n));
+        for (int64_t i = 0; i < count; ++i) {
+          F r;
+          if constexpr (kG > 0) {
+            r = RowsGroupTile<kG>(wa, a.k, n, nr, xr[i]);
+          } else if constexpr (kK > 0) {
+            r = nr == kL ? RowsTileFixed<kK>(wa + n * kK, xc + i * rows)
+                         : RowsTile(a, wa, xc + i * rows, n, nr);
+          } else {
+            r = RowsTile(a, wa, xc + i * rows, n, nr);
+          }
+          StoreVec(a, out + tok[i] * a.out_row_stride + n, r, nr);
+        }
+      }
+    };
+    using std::integral_constant;
+    using kNone = integral_constant<int, 0>;
+    if constexpr (V::kRowGroups) {
+      const int group_lanes = RowGroupLanes(a);
+      if (group_lanes == 4) return sweep(integral_constant<int, 4>{}, kNone{});
+      if (group_lanes == 8) return sweep(integral_constant<int, 8>{}, kNone{});
+    }
+    if (a.w_row_stride == a.k) {
+      switch (a.k) {
+        case 32:
+          return sweep(kNone{}, integral_constant<int, 32>{});
+        case 64:
+          return sweep(kNone{}, integral_constant<int, 64>{});
+        case 128:
+          return sweep(kNone{}, integral_constant<int, 128>{});
+        case 256:
+          return sweep(kNone{}, integral_constant<int, 256>{});
+      }
+    }
+    sweep(kNone{}, kNone{});
   }
 
   // Per work item: convert its tokens' inputs, pack all of its columns
@@ -356,15 +501,8 @@ struct LoraKernel {
       }
       ConvertInputs(a, tok, count, xc.get());
       const TW* wa = w + g.adapter * a.w_adapter_stride;
-      if (count <= RowsMaxTokens(a.k)) {
-        TO* out = static_cast<TO*>(a.out);
-        for (int64_t n = item.n0; n < item.n1; n += kL) {
-          const int nr = static_cast<int>(std::min<int64_t>(kL, item.n1 - n));
-          for (int64_t i = 0; i < count; ++i) {
-            RowsTile(a, wa, xc.get() + i * rows, n, nr,
-                     out + tok[i] * a.out_row_stride);
-          }
-        }
+      if (count <= RowsMaxTokens(a.k, RowGroupLanes(a) > 0)) {
+        RunRows(a, wa, xc.get(), rows, tok, count, item.n0, item.n1);
         continue;
       }
       if (blocks > packed_blocks) {

@@ -70,13 +70,23 @@ constexpr int64_t kMaxPackK = 256;
 // VLLM_CPU_LORA_ISA=amx uses tiles for every group.
 constexpr int64_t kAmxMinTokens = 16;
 
-// Within the pack blocking, a group of at most this many tokens skips the
-// repacking and runs dot products along k over the weight rows in place (the
-// "rows" tiles). Measured (single thread, AVX512-BF16, Hout 4096 / 11008):
-// for one token and k = 64 rows take 0.6x the time of repacking; for k <= 16
-// (one masked load per row, most lanes idle) and for two tokens repacking is
-// faster, its transposes then serving more products per byte.
-constexpr int64_t RowsMaxTokens(int64_t k) { return k >= 32 ? 1 : 0; }
+// Within the pack blocking, a group of at most RowsMaxTokens(k, grouped)
+// tokens skips the repacking and runs dot products along k over the weight
+// rows in place (the "rows" tiles; `grouped`: short contiguous rows, several
+// to a vector, see LoraKernel::RowGroupLanes). Both blockings run the same
+// number of dot products; rows pay a transpose-add tree per token and 16
+// outputs, packing pays transposes per 16 outputs shared by the tokens, which
+// grow with k. Measured (single thread, AVX512-BF16, one adapter, Hout 4096,
+// 1-8 tokens; rows time / pack time): k 8: 0.55 at 1 token, 0.93 at 8; k 16:
+// 0.66 at 1, 0.97 at 4, 1.15 at 6; k 32: 0.57 at 1, 0.87 at 3, 1.0 at 4; k
+// 64: 0.5 at 1, 0.8 at 6, 1.0 at 8; k 128: 0.44 at 1, 0.92 at 8.
+constexpr int kRowsMaxTokens = 8;
+constexpr int64_t RowsMaxTokens(int64_t k, bool grouped) {
+  if (grouped) return k <= 8 ? 8 : 4;
+  return k >= 128 ? 8 : k >= 64 ? 6 : k >= 32 ? 3 : 0;
+}
+static_assert(RowsMaxTokens(8, true) <= kRowsMaxTokens &&
+              RowsMaxTokens(kMaxPackK, false) <= kRowsMaxTokens);
 
 using KernelFn = void (*)(const LoraArgs&, const WorkItem*, int64_t begin,
                           int64_t end);

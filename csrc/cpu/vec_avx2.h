@@ -9,6 +9,7 @@ struct VecAvx2 {
   static constexpr int kTileM = 2;
   static constexpr int kTileN = 4;
   static constexpr bool kGather = false;
+  static constexpr bool kRowGroups = false;
   using F = __m256;
 
   static __m256i Mask(int n) {

@@ -11,6 +11,7 @@ struct VecAvx512 {
   static constexpr int kTileM = 4;
   static constexpr int kTileN = 4;
   static constexpr bool kGather = true;
+  static constexpr bool kRowGroups = true;
   using F = __m512;
 
   static __mmask16 Mask16(int n) {
@@ -49,6 +50,66 @@ struct VecAvx512 {
                          _mm512_shuffle_f32x4(e[0], e[1], 0xdd));
   }
 
+  // Lane i of the result = the sum of lane group i % (16 / G) of
+  // acc[i / (16 / G)], groups being G adjacent lanes, G in {4, 8}: the first
+  // stages of SumLanes' tree, then one permutation into row order.
+  template <int G>
+  static F SumGroups(const F (&acc)[G]) {
+    static_assert(G == 4 || G == 8);
+    F c[G / 2], d[G / 4];
+    for (int i = 0; i < G / 2; ++i) {
+      c[i] = _mm512_add_ps(_mm512_unpacklo_ps(acc[2 * i], acc[2 * i + 1]),
+                           _mm512_unpackhi_ps(acc[2 * i], acc[2 * i + 1]));
+    }
+    // d[i], 128-bit lane l: the sums over lane l of acc[4i] .. acc[4i + 3].
+    for (int i = 0; i < G / 4; ++i) {
+      const __m512d lo = _mm512_castps_pd(c[2 * i]);
+      const __m512d hi = _mm512_castps_pd(c[2 * i + 1]);
+      d[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(lo, hi)),
+                           _mm512_castpd_ps(_mm512_unpackhi_pd(lo, hi)));
+    }
+    if constexpr (G == 4) {
+      // Lane 4l + m holds row 4m + l.
+      const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6,
+                                              10, 14, 3, 7, 11, 15);
+      return _mm512_permutexvar_ps(order, d[0]);
+    } else {
+      // Rows are 256 bits: add the 128-bit lane pairs. Lane 4q + m then
+      // holds row 2m + q (q < 2) or 8 + 2m + q - 2.
+      const F e = _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88),
+                                _mm512_shuffle_f32x4(d[0], d[1], 0xdd));
+      const __m512i order = _mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9,
+                                              13, 10, 14, 11, 15);
+      return _mm512_permutexvar_ps(order, e);
+    }
+  }
+
+  // p[0..G) repeated over the 16 lanes, G in {4, 8}.
+  template <int G>
+  static F Repeat(const float* p) {
+    if constexpr (G == 4) {
+      return _mm512_broadcast_f32x4(_mm_loadu_ps(p));
+    } else {
+      return _mm512_broadcast_f32x8(_mm256_loadu_ps(p));
+    }
+  }
+  template <int G>
+  static auto Repeat(const uint32_t* p) {
+    __m512i v;
+    if constexpr (G == 4) {
+      v = _mm512_broadcast_i32x4(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    } else {
+      v = _mm512_broadcast_i64x4(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    }
+    if constexpr (kBf16) {
+      return (__m512bh)v;
+    } else {
+      return v;
+    }
+  }
+
   static F FromBf16(__m256i h) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   }
@@ -80,8 +141,11 @@ struct VecAvx512 {
   }
 
   // Round to nearest even, NaN kept quiet: the same rounding as
-  // c10::BFloat16(float).
+  // c10::BFloat16(float). With AVX512-BF16 one vcvtneps2bf16 (instead of
+  // eight instructions), which differs only in flushing fp32 denormals
+  // (below 1.2e-38) to zero.
   static __m256i ToBf16(F v) {
+    if constexpr (kBf16) return (__m256i)_mm512_cvtneps_pbh(v);
     const __m512i u = _mm512_castps_si512(v);
     const __m512i lsb =
         _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));

@@ -8,6 +8,7 @@ struct VecScalar {
   static constexpr int kTileM = 2;
   static constexpr int kTileN = 2;
   static constexpr bool kGather = false;
+  static constexpr bool kRowGroups = false;
   using F = float;
 
   static F Zero() { return 0.0f; }
