@@ -34,6 +34,158 @@ inline void ConfigureTiles() {
   _tile_loadconfig(&cfg);
 }
 
+// The tiles with the operands swapped, for groups of a few tokens: the
+// weight rows are the A operand, read in place (no repacking), and the
+// group's token rows, interleaved into bf16 pairs ("zipped"), the B operand
+// of P columns (the token count rounded up to a power of two). C then holds
+// 16 outputs x P tokens and is transposed back in registers ("unzipped").
+// The repacking this avoids costs per weight row, the zipping per token row:
+// for a few tokens the tiles' throughput then serves both LoRA shrink (k =
+// hidden size) and expand (k = rank). Needs even k (the pairs of a row).
+template <class TX, class TO>
+struct AmxSwapped {
+  using Avx = LoraKernel<AmxVec, TX, c10::BFloat16, TO>;
+  using F = AmxVec::F;
+  static constexpr int kTileRows = 16;
+
+  static bool Applies(const LoraArgs& a) { return a.k % 2 == 0; }
+
+  // Tiles: 0 C (rows x p fp32), 1 A (rows x 32 bf16), 2 B (16 pair rows x
+  // p), 3 and 4 A and B for the reduction's tail of `rest` < 32 elements.
+  static void Configure(int rows, int p, int rest) {
+    TileConfig cfg{};
+    cfg.palette_id = 1;
+    cfg.rows[0] = rows;
+    cfg.colsb[0] = p * 4;
+    cfg.rows[1] = rows;
+    cfg.colsb[1] = 64;
+    cfg.rows[2] = 16;
+    cfg.colsb[2] = p * 4;
+    if (rest > 0) {
+      cfg.rows[3] = rows;
+      cfg.colsb[3] = rest * 2;
+      cfg.rows[4] = rest / 2;
+      cfg.colsb[4] = p * 4;
+    }
+    _tile_loadconfig(&cfg);
+  }
+
+  // 32 elements of row x from e0 (fewer where the row ends) as 16 bf16
+  // pair dwords, zero beyond the row.
+  static __m512i LoadPairDwords(const TX* x, int64_t e0, int64_t k) {
+    const int n = static_cast<int>(std::min<int64_t>(32, k - e0));
+    return _mm512_castps_si512(
+        (__m512)(n == 32 ? AmxVec::LoadPairs(x + e0)
+                         : AmxVec::LoadPairsPartial(x + e0, n)));
+  }
+
+  // Bt[j * p + t] = bf16 pair j of token row t (zero for t >= mt), j over
+  // whole blocks of 16 pairs: per block, p vectors (one per token) go
+  // through log2(p) stages of interleaving in registers.
+  static void Zip(const LoraArgs& a, const int64_t* tok, int mt, int p,
+                  uint32_t* Bt) {
+    const TX* x = static_cast<const TX*>(a.x);
+    const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5,
+                                         21, 6, 22, 7, 23);
+    const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28,
+                                         13, 29, 14, 30, 15, 31);
+    for (int64_t e0 = 0, blk = 0; e0 < a.k; e0 += 32, ++blk) {
+      __m512i v[kTileRows], w[kTileRows];
+      for (int t = 0; t < p; ++t) {
+        v[t] = t < mt ? LoadPairDwords(x + tok[t] * a.x_row_stride, e0, a.k)
+                      : _mm512_setzero_si512();
+      }
+      // log2(p) rounds of the same perfect shuffle.
+      const int h = p / 2;
+      for (int round = 1; round < p; round *= 2) {
+        for (int i = 0; i < h; ++i) {
+          w[2 * i] = _mm512_permutex2var_epi32(v[i], lo, v[i + h]);
+          w[2 * i + 1] = _mm512_permutex2var_epi32(v[i], hi, v[i + h]);
+        }
+        for (int i = 0; i < p; ++i) v[i] = w[i];
+      }
+      for (int i = 0; i < p; ++i)
+        _mm512_storeu_si512(Bt + blk * 16 * p + i * 16, v[i]);
+    }
+  }
+
+  // The inverse of Zip's interleaving on C (16 rows x p, row-major): col[t]
+  // = column t.
+  static void Unzip(const float* C, int p, F* col) {
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18,
+                                           20, 22, 24, 26, 28, 30);
+    const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21,
+                                          23, 25, 27, 29, 31);
+    F v[kTileRows], w[kTileRows];
+    for (int i = 0; i < p; ++i) v[i] = _mm512_loadu_ps(C + 16 * i);
+    const int h = p / 2;
+    for (int round = 1; round < p; round *= 2) {
+      for (int i = 0; i < h; ++i) {
+        w[i] = _mm512_permutex2var_ps(v[2 * i], even, v[2 * i + 1]);
+        w[i + h] = _mm512_permutex2var_ps(v[2 * i], odd, v[2 * i + 1]);
+      }
+      for (int i = 0; i < p; ++i) v[i] = w[i];
+    }
+    for (int i = 0; i < p; ++i) col[i] = v[i];
+  }
+
+  // One work item: its tokens, up to 16 at a time, against its weight rows,
+  // 16 at a time.
+  static void RunItem(const LoraArgs& a, const WorkItem& item,
+                      std::unique_ptr<uint32_t[]>& bt, int64_t& bt_size) {
+    const Group& g = a.groups[item.group];
+    const int64_t* tok = a.tokens + g.token_begin;
+    const c10::BFloat16* wa =
+        static_cast<const c10::BFloat16*>(a.w) + g.adapter * a.w_adapter_stride;
+    TO* out = static_cast<TO*>(a.out);
+    const int64_t blocks = (a.k + 31) / 32;
+    const int64_t full = a.k / 32;
+    const int rest = static_cast<int>(a.k % 32);
+    const int64_t w_stride = a.w_row_stride * 2;
+    alignas(64) float C[kTileRows * kTileRows];
+    for (int64_t m = item.m0; m < item.m1; m += kTileRows) {
+      const int mt =
+          static_cast<int>(std::min<int64_t>(kTileRows, item.m1 - m));
+      int p = 1;
+      while (p < mt) p *= 2;
+      if (blocks * 16 * p > bt_size) {
+        bt_size = blocks * 16 * p;
+        bt.reset(new uint32_t[bt_size]);
+      }
+      uint32_t* Bt = bt.get();
+      Zip(a, tok + m, mt, p, Bt);
+      int configured_rows = 0;
+      for (int64_t n = item.n0; n < item.n1; n += kTileRows) {
+        const int rows =
+            static_cast<int>(std::min<int64_t>(kTileRows, item.n1 - n));
+        if (rows != configured_rows) {
+          Configure(rows, p, rest);
+          configured_rows = rows;
+        }
+        const c10::BFloat16* wn = wa + n * a.w_row_stride;
+        _tile_zero(0);
+        for (int64_t c = 0; c < full; ++c) {
+          _tile_loadd(1, wn + 32 * c, w_stride);
+          _tile_loadd(2, Bt + c * 16 * p, p * 4);
+          _tile_dpbf16ps(0, 1, 2);
+        }
+        if (rest > 0) {
+          _tile_loadd(3, wn + 32 * full, w_stride);
+          _tile_loadd(4, Bt + full * 16 * p, p * 4);
+          _tile_dpbf16ps(0, 3, 4);
+        }
+        _tile_stored(0, C, p * 4);
+        F col[kTileRows];
+        Unzip(C, p, col);
+        for (int t = 0; t < mt; ++t) {
+          Avx::StoreVec(a, out + tok[m + t] * a.out_row_stride + n, col[t],
+                        rows);
+        }
+      }
+    }
+  }
+};
+
 template <class TX, class TO>
 struct AmxKernel {
   using Avx = LoraKernel<AmxVec, TX, c10::BFloat16, TO>;
@@ -128,9 +280,12 @@ struct AmxKernel {
   // Per work item: pack all of its columns (PairRows(k) x 64 per block of 64
   // columns), then per 16 tokens gather their inputs once and sweep along
   // the columns, so output rows are written front to back.
-  template <KernelFn kFallback>
+  template <KernelFn kFallback, bool kPackStrategy>
   static void Run(const LoraArgs& a, const WorkItem* items, int64_t begin,
                   int64_t end) {
+    using Swapped = AmxSwapped<TX, TO>;
+    std::unique_ptr<uint32_t[]> bt;
+    int64_t bt_size = 0;
     const int64_t pair_rows = PairRows(a.k);
     const int64_t block_size = pair_rows * kNT;
     std::unique_ptr<uint32_t[]> P;
@@ -138,18 +293,29 @@ struct AmxKernel {
     int64_t packed_blocks = 0;
     alignas(64) float C[kTileRows * kNT];
     bool configured = false;
+    bool used_tiles = false;
     const c10::BFloat16* w = static_cast<const c10::BFloat16*>(a.w);
     for (int64_t it = begin; it < end; ++it) {
       const WorkItem& item = items[it];
       const Group& g = a.groups[item.group];
       if (g.token_count < a.amx_min_tokens) {
-        kFallback(a, items, it, it + 1);
+        if (Swapped::Applies(a) &&
+            (a.amx_forced ||
+             g.token_count >=
+                 AmxSwapMinTokens(a.k, item.n1 - item.n0, kPackStrategy))) {
+          Swapped::RunItem(a, item, bt, bt_size);
+          used_tiles = true;
+          configured = false;  // The swapped tiles have their own shapes.
+        } else {
+          kFallback(a, items, it, it + 1);
+        }
         continue;
       }
       if (!configured) {
-        X.reset(new uint16_t[kTileRows * 2 * pair_rows]);
+        if (!X) X.reset(new uint16_t[kTileRows * 2 * pair_rows]);
         ConfigureTiles();
         configured = true;
+        used_tiles = true;
       }
       const int64_t blocks = (item.n1 - item.n0 + kNT - 1) / kNT;
       if (blocks > packed_blocks) {
@@ -186,7 +352,7 @@ struct AmxKernel {
         }
       }
     }
-    if (configured) _tile_release();
+    if (used_tiles) _tile_release();
   }
 };
 
@@ -201,7 +367,7 @@ void RunAmx(const LoraArgs& a, const WorkItem* items, int64_t begin,
     using TX = decltype(tx);
     using TO = decltype(to);
     if constexpr (LoraKernel<AmxVec, TX, decltype(tw), TO>::kPairs) {
-      AmxKernel<TX, TO>::template Run<kFallback>(a, items, begin, end);
+      AmxKernel<TX, TO>::template Run<kFallback, kPack>(a, items, begin, end);
       done = true;
     }
   });

@@ -290,7 +290,8 @@ void Run(const Product& p, const std::vector<Group>& groups,
   a.add = p.add;
   a.tokens = tokens.data();
   a.groups = groups.data();
-  a.amx_min_tokens = choice.forced ? 1 : kAmxMinTokens;
+  a.amx_min_tokens = kAmxMinTokens;
+  a.amx_forced = choice.forced;
 
   int64_t total_tokens = 0;
   for (const Group& g : groups) total_tokens += g.token_count;

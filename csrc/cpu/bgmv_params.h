@@ -49,8 +49,11 @@ struct LoraArgs {
   bool add;
   const int64_t* tokens;
   const Group* groups;
-  // AMX kernels only: groups with fewer tokens run the AVX512-BF16 kernel.
+  // AMX kernels only: groups with fewer tokens run the swapped-operand
+  // tiles (AmxSwapMinTokens, or always where amx_forced) or the AVX512-BF16
+  // kernel.
   int64_t amx_min_tokens;
+  bool amx_forced;
 };
 
 // Two blockings of the same product: "dot" (long k, few outputs: LoRA
@@ -69,6 +72,22 @@ constexpr int64_t kMaxPackK = 256;
 // on fewer tokens; benchmarks/bench_amx.py measures the crossover. A forced
 // VLLM_CPU_LORA_ISA=amx uses tiles for every group.
 constexpr int64_t kAmxMinTokens = 16;
+
+// Groups of fewer than kAmxMinTokens tokens run the AMX tiles with swapped
+// operands (weights as the A operand, read in place; see AmxSwapped) from
+// this many tokens, else the AVX512-BF16 kernel; kAmxMinTokens means never.
+// `pack`: the pack blocking (expand: k is the rank), else dot (shrink: `rows`
+// is the rank). The tiles' cost per 16 weight rows is nearly fixed for k up
+// to 64, while AVX512-BF16's grows with k and tokens. Measured (single
+// thread, one adapter, H / Hout 4096, time AVX512-BF16 / swapped AMX):
+// expand rank 16: 0.5-0.98 for 1-8 tokens (never); rank 32: 1.2 at 2, 1.5
+// at 4; rank 64: 1.5 at 2, 2.0 at 4; rank 128: 1.8 at 2. Shrink rank 8:
+// 0.6-0.8 (never); rank 16: 0.9 at 3, 1.1 at 4, 1.3 at 8; rank 32: 1.0 at
+// 2, 1.4 at 4; rank 64: 1.3 at 2, 2.0 at 4, 2.7 at 8.
+constexpr int64_t AmxSwapMinTokens(int64_t k, int64_t rows, bool pack) {
+  if (pack) return k >= 32 ? 2 : kAmxMinTokens;
+  return rows >= 32 ? 2 : rows >= 16 ? 4 : kAmxMinTokens;
+}
 
 // Within the pack blocking, a group of at most RowsMaxTokens(k, grouped)
 // tokens skips the repacking and runs dot products along k over the weight
