@@ -51,7 +51,8 @@ struct AmxSwapped {
   static bool Applies(const LoraArgs& a) { return a.k % 2 == 0; }
 
   // Tiles: 0 C (rows x p fp32), 1 A (rows x 32 bf16), 2 B (16 pair rows x
-  // p), 3 and 4 A and B for the reduction's tail of `rest` < 32 elements.
+  // p), 3 and 4 A and B for the reduction's tail of `rest` < 32 elements, 5
+  // and 6 B and A for a second 32-element block kept beside the first.
   static void Configure(int rows, int p, int rest) {
     TileConfig cfg{};
     cfg.palette_id = 1;
@@ -67,6 +68,10 @@ struct AmxSwapped {
       cfg.rows[4] = rest / 2;
       cfg.colsb[4] = p * 4;
     }
+    cfg.rows[5] = 16;
+    cfg.colsb[5] = p * 4;
+    cfg.rows[6] = rows;
+    cfg.colsb[6] = 64;
     _tile_loadconfig(&cfg);
   }
 
@@ -82,15 +87,15 @@ struct AmxSwapped {
   // Bt[j * p + t] = bf16 pair j of token row t (zero for t >= mt), j over
   // whole blocks of 16 pairs: per block, p vectors (one per token) go
   // through log2(p) stages of interleaving in registers.
-  static void Zip(const LoraArgs& a, const int64_t* tok, int mt, int p,
-                  uint32_t* Bt) {
+  template <int p>
+  static void Zip(const LoraArgs& a, const int64_t* tok, int mt, uint32_t* Bt) {
     const TX* x = static_cast<const TX*>(a.x);
     const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5,
                                          21, 6, 22, 7, 23);
     const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28,
                                          13, 29, 14, 30, 15, 31);
     for (int64_t e0 = 0, blk = 0; e0 < a.k; e0 += 32, ++blk) {
-      __m512i v[kTileRows], w[kTileRows];
+      __m512i v[p], w[p];
       for (int t = 0; t < p; ++t) {
         v[t] = t < mt ? LoadPairDwords(x + tok[t] * a.x_row_stride, e0, a.k)
                       : _mm512_setzero_si512();
@@ -111,12 +116,13 @@ struct AmxSwapped {
 
   // The inverse of Zip's interleaving on C (16 rows x p, row-major): col[t]
   // = column t.
-  static void Unzip(const float* C, int p, F* col) {
+  template <int p>
+  static void Unzip(const float* C, F (&col)[p]) {
     const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18,
                                            20, 22, 24, 26, 28, 30);
     const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21,
                                           23, 25, 27, 29, 31);
-    F v[kTileRows], w[kTileRows];
+    F v[p], w[p];
     for (int i = 0; i < p; ++i) v[i] = _mm512_loadu_ps(C + 16 * i);
     const int h = p / 2;
     for (int round = 1; round < p; round *= 2) {
@@ -129,58 +135,91 @@ struct AmxSwapped {
     for (int i = 0; i < p; ++i) col[i] = v[i];
   }
 
-  // One work item: its tokens, up to 16 at a time, against its weight rows,
-  // 16 at a time.
+  // Tokens tok[0..mt), mt <= p, against the item's weight rows, 16 at a
+  // time. With at most two 32-element blocks of k (expand) the B tiles stay
+  // loaded across the rows.
+  template <int p>
+  static void RunTokens(const LoraArgs& a, const WorkItem& item,
+                        const c10::BFloat16* wa, const int64_t* tok, int mt,
+                        uint32_t* Bt) {
+    TO* out = static_cast<TO*>(a.out);
+    const int64_t full = a.k / 32;
+    const int rest = static_cast<int>(a.k % 32);
+    const bool resident = full + (rest > 0) <= 2;
+    const int64_t w_stride = a.w_row_stride * 2;
+    Zip<p>(a, tok, mt, Bt);
+    alignas(64) float C[kTileRows * p];
+    int configured_rows = 0;
+    for (int64_t n = item.n0; n < item.n1; n += kTileRows) {
+      const int rows =
+          static_cast<int>(std::min<int64_t>(kTileRows, item.n1 - n));
+      if (rows != configured_rows) {
+        Configure(rows, p, rest);  // Clears the tiles.
+        configured_rows = rows;
+        if (resident) {
+          if (full >= 1) _tile_loadd(2, Bt, p * 4);
+          if (full == 2) _tile_loadd(5, Bt + 16 * p, p * 4);
+          if (rest > 0) _tile_loadd(4, Bt + full * 16 * p, p * 4);
+        }
+      }
+      const c10::BFloat16* wn = wa + n * a.w_row_stride;
+      _tile_zero(0);
+      if (resident) {
+        if (full >= 1) {
+          _tile_loadd(1, wn, w_stride);
+          _tile_dpbf16ps(0, 1, 2);
+        }
+        if (full == 2) {
+          _tile_loadd(6, wn + 32, w_stride);
+          _tile_dpbf16ps(0, 6, 5);
+        }
+      } else {
+        for (int64_t c = 0; c < full; ++c) {
+          _tile_loadd(1, wn + 32 * c, w_stride);
+          _tile_loadd(2, Bt + c * 16 * p, p * 4);
+          _tile_dpbf16ps(0, 1, 2);
+        }
+        if (rest > 0) _tile_loadd(4, Bt + full * 16 * p, p * 4);
+      }
+      if (rest > 0) {
+        _tile_loadd(3, wn + 32 * full, w_stride);
+        _tile_dpbf16ps(0, 3, 4);
+      }
+      _tile_stored(0, C, p * 4);
+      F col[p];
+      Unzip<p>(C, col);
+      for (int t = 0; t < mt; ++t) {
+        Avx::StoreVec(a, out + tok[t] * a.out_row_stride + n, col[t], rows);
+      }
+    }
+  }
+
+  // One work item: its tokens, up to 16 at a time.
   static void RunItem(const LoraArgs& a, const WorkItem& item,
                       std::unique_ptr<uint32_t[]>& bt, int64_t& bt_size) {
     const Group& g = a.groups[item.group];
     const int64_t* tok = a.tokens + g.token_begin;
     const c10::BFloat16* wa =
         static_cast<const c10::BFloat16*>(a.w) + g.adapter * a.w_adapter_stride;
-    TO* out = static_cast<TO*>(a.out);
     const int64_t blocks = (a.k + 31) / 32;
-    const int64_t full = a.k / 32;
-    const int rest = static_cast<int>(a.k % 32);
-    const int64_t w_stride = a.w_row_stride * 2;
-    alignas(64) float C[kTileRows * kTileRows];
+    if (blocks * 16 * kTileRows > bt_size) {
+      bt_size = blocks * 16 * kTileRows;
+      bt.reset(new uint32_t[bt_size]);
+    }
     for (int64_t m = item.m0; m < item.m1; m += kTileRows) {
       const int mt =
           static_cast<int>(std::min<int64_t>(kTileRows, item.m1 - m));
-      int p = 1;
-      while (p < mt) p *= 2;
-      if (blocks * 16 * p > bt_size) {
-        bt_size = blocks * 16 * p;
-        bt.reset(new uint32_t[bt_size]);
-      }
-      uint32_t* Bt = bt.get();
-      Zip(a, tok + m, mt, p, Bt);
-      int configured_rows = 0;
-      for (int64_t n = item.n0; n < item.n1; n += kTileRows) {
-        const int rows =
-            static_cast<int>(std::min<int64_t>(kTileRows, item.n1 - n));
-        if (rows != configured_rows) {
-          Configure(rows, p, rest);
-          configured_rows = rows;
-        }
-        const c10::BFloat16* wn = wa + n * a.w_row_stride;
-        _tile_zero(0);
-        for (int64_t c = 0; c < full; ++c) {
-          _tile_loadd(1, wn + 32 * c, w_stride);
-          _tile_loadd(2, Bt + c * 16 * p, p * 4);
-          _tile_dpbf16ps(0, 1, 2);
-        }
-        if (rest > 0) {
-          _tile_loadd(3, wn + 32 * full, w_stride);
-          _tile_loadd(4, Bt + full * 16 * p, p * 4);
-          _tile_dpbf16ps(0, 3, 4);
-        }
-        _tile_stored(0, C, p * 4);
-        F col[kTileRows];
-        Unzip(C, p, col);
-        for (int t = 0; t < mt; ++t) {
-          Avx::StoreVec(a, out + tok[m + t] * a.out_row_stride + n, col[t],
-                        rows);
-        }
+      const int64_t* tm = tok + m;
+      if (mt == 1) {
+        RunTokens<1>(a, item, wa, tm, mt, bt.get());
+      } else if (mt == 2) {
+        RunTokens<2>(a, item, wa, tm, mt, bt.get());
+      } else if (mt <= 4) {
+        RunTokens<4>(a, item, wa, tm, mt, bt.get());
+      } else if (mt <= 8) {
+        RunTokens<8>(a, item, wa, tm, mt, bt.get());
+      } else {
+        RunTokens<16>(a, item, wa, tm, mt, bt.get());
       }
     }
   }

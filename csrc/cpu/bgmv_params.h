@@ -77,16 +77,19 @@ constexpr int64_t kAmxMinTokens = 16;
 // operands (weights as the A operand, read in place; see AmxSwapped) from
 // this many tokens, else the AVX512-BF16 kernel; kAmxMinTokens means never.
 // `pack`: the pack blocking (expand: k is the rank), else dot (shrink: `rows`
-// is the rank). The tiles' cost per 16 weight rows is nearly fixed for k up
-// to 64, while AVX512-BF16's grows with k and tokens. Measured (single
-// thread, one adapter, H / Hout 4096, time AVX512-BF16 / swapped AMX):
-// expand rank 16: 0.5-0.98 for 1-8 tokens (never); rank 32: 1.2 at 2, 1.5
-// at 4; rank 64: 1.5 at 2, 2.0 at 4; rank 128: 1.8 at 2. Shrink rank 8:
-// 0.6-0.8 (never); rank 16: 0.9 at 3, 1.1 at 4, 1.3 at 8; rank 32: 1.0 at
-// 2, 1.4 at 4; rank 64: 1.3 at 2, 2.0 at 4, 2.7 at 8.
+// is the rank). The tiles cost ~80 cycles per 16 weight rows and k up to 64
+// whatever the token count (up to 8), AVX512-BF16 grows with k and tokens.
+// Measured (single thread, one adapter, H / Hout 4096, time AVX512-BF16 /
+// swapped AMX): expand rank 8: 0.5 at 1 token, 0.9 at 4, 1.2 at 8; rank 16:
+// 0.6 at 1, 1.15 at 3, 1.3 at 4; rank 32: 0.9 at 1, 1.5 at 2; rank 64: 1.2
+// at 1; rank 128: 1.2 at 1. Shrink rank 8: 0.7-1.0 up to 8 tokens; rank 16:
+// 0.8 at 1, 1.1 at 3, 1.3 at 4; rank 32: 0.9 at 1, 1.05 at 2; rank 64 and
+// 128: 1.0 at 1, 1.05-1.4 at 2.
 constexpr int64_t AmxSwapMinTokens(int64_t k, int64_t rows, bool pack) {
-  if (pack) return k >= 32 ? 2 : kAmxMinTokens;
-  return rows >= 32 ? 2 : rows >= 16 ? 4 : kAmxMinTokens;
+  if (pack) {
+    return k >= 64 ? 1 : k >= 32 ? 2 : k >= 16 ? 3 : k >= 8 ? 6 : kAmxMinTokens;
+  }
+  return rows >= 32 ? 2 : rows >= 16 ? 3 : kAmxMinTokens;
 }
 
 // Within the pack blocking, a group of at most RowsMaxTokens(k, grouped)
