@@ -52,8 +52,10 @@ struct AmxSwapped {
 
   // Tiles: 0 C (rows x p fp32), 1 A (rows x 32 bf16), 2 B (16 pair rows x
   // p), 3 and 4 A and B for the reduction's tail of `rest` < 32 elements, 5
-  // and 6 B and A for a second 32-element block kept beside the first.
-  static void Configure(int rows, int p, int rest) {
+  // and 6 B and A for a second 32-element block kept beside the first; with
+  // a single block of k (`full` + (rest > 0) == 1), 6 and 7 are A and C of a
+  // second group of rows, so that two groups' tile work overlaps.
+  static void Configure(int rows, int p, int64_t full, int rest) {
     TileConfig cfg{};
     cfg.palette_id = 1;
     cfg.rows[0] = rows;
@@ -71,7 +73,9 @@ struct AmxSwapped {
     cfg.rows[5] = 16;
     cfg.colsb[5] = p * 4;
     cfg.rows[6] = rows;
-    cfg.colsb[6] = 64;
+    cfg.colsb[6] = full == 0 ? rest * 2 : 64;
+    cfg.rows[7] = rows;
+    cfg.colsb[7] = p * 4;
     _tile_loadconfig(&cfg);
   }
 
@@ -148,20 +152,55 @@ struct AmxSwapped {
     const bool resident = full + (rest > 0) <= 2;
     const int64_t w_stride = a.w_row_stride * 2;
     Zip<p>(a, tok, mt, Bt);
-    alignas(64) float C[kTileRows * p];
+    alignas(64) float C[2 * kTileRows * p];
     int configured_rows = 0;
-    for (int64_t n = item.n0; n < item.n1; n += kTileRows) {
+    auto configure = [&](int rows) {
+      if (rows == configured_rows) return;
+      Configure(rows, p, full, rest);  // Clears the tiles.
+      configured_rows = rows;
+      if (resident) {
+        if (full >= 1) _tile_loadd(2, Bt, p * 4);
+        if (full == 2) _tile_loadd(5, Bt + 16 * p, p * 4);
+        if (rest > 0) _tile_loadd(4, Bt + full * 16 * p, p * 4);
+      }
+    };
+    auto store = [&](const float* c, int64_t n, int rows) {
+      F col[p];
+      Unzip<p>(c, col);
+      for (int t = 0; t < mt; ++t) {
+        Avx::StoreVec(a, out + tok[t] * a.out_row_stride + n, col[t], rows);
+      }
+    };
+    int64_t n = item.n0;
+    if (full + (rest > 0) == 1) {
+      // Two groups of 16 rows at a time (C tiles 0 and 7).
+      for (; n + 2 * kTileRows <= item.n1; n += 2 * kTileRows) {
+        configure(kTileRows);
+        const c10::BFloat16* wn = wa + n * a.w_row_stride;
+        const c10::BFloat16* wn2 = wn + kTileRows * a.w_row_stride;
+        _tile_zero(0);
+        _tile_zero(7);
+        if (full == 1) {
+          _tile_loadd(1, wn, w_stride);
+          _tile_loadd(6, wn2, w_stride);
+          _tile_dpbf16ps(0, 1, 2);
+          _tile_dpbf16ps(7, 6, 2);
+        } else {
+          _tile_loadd(3, wn, w_stride);
+          _tile_loadd(6, wn2, w_stride);
+          _tile_dpbf16ps(0, 3, 4);
+          _tile_dpbf16ps(7, 6, 4);
+        }
+        _tile_stored(0, C, p * 4);
+        _tile_stored(7, C + kTileRows * p, p * 4);
+        store(C, n, kTileRows);
+        store(C + kTileRows * p, n + kTileRows, kTileRows);
+      }
+    }
+    for (; n < item.n1; n += kTileRows) {
       const int rows =
           static_cast<int>(std::min<int64_t>(kTileRows, item.n1 - n));
-      if (rows != configured_rows) {
-        Configure(rows, p, rest);  // Clears the tiles.
-        configured_rows = rows;
-        if (resident) {
-          if (full >= 1) _tile_loadd(2, Bt, p * 4);
-          if (full == 2) _tile_loadd(5, Bt + 16 * p, p * 4);
-          if (rest > 0) _tile_loadd(4, Bt + full * 16 * p, p * 4);
-        }
-      }
+      configure(rows);
       const c10::BFloat16* wn = wa + n * a.w_row_stride;
       _tile_zero(0);
       if (resident) {
@@ -186,11 +225,7 @@ struct AmxSwapped {
         _tile_dpbf16ps(0, 3, 4);
       }
       _tile_stored(0, C, p * 4);
-      F col[p];
-      Unzip<p>(C, col);
-      for (int t = 0; t < mt; ++t) {
-        Avx::StoreVec(a, out + tok[t] * a.out_row_stride + n, col[t], rows);
-      }
+      store(C, n, rows);
     }
   }
 

@@ -77,19 +77,19 @@ constexpr int64_t kAmxMinTokens = 16;
 // operands (weights as the A operand, read in place; see AmxSwapped) from
 // this many tokens, else the AVX512-BF16 kernel; kAmxMinTokens means never.
 // `pack`: the pack blocking (expand: k is the rank), else dot (shrink: `rows`
-// is the rank). The tiles cost ~80 cycles per 16 weight rows and k up to 64
-// whatever the token count (up to 8), AVX512-BF16 grows with k and tokens.
+// is the rank). The tiles cost nearly the same per 16 weight rows for k up
+// to 64 and up to 8 tokens; AVX512-BF16's cost grows with k and tokens.
 // Measured (single thread, one adapter, H / Hout 4096, time AVX512-BF16 /
-// swapped AMX): expand rank 8: 0.5 at 1 token, 0.9 at 4, 1.2 at 8; rank 16:
-// 0.6 at 1, 1.15 at 3, 1.3 at 4; rank 32: 0.9 at 1, 1.5 at 2; rank 64: 1.2
-// at 1; rank 128: 1.2 at 1. Shrink rank 8: 0.7-1.0 up to 8 tokens; rank 16:
-// 0.8 at 1, 1.1 at 3, 1.3 at 4; rank 32: 0.9 at 1, 1.05 at 2; rank 64 and
-// 128: 1.0 at 1, 1.05-1.4 at 2.
+// swapped AMX; the machine's noise is +-20%): expand rank 8: 0.64 at 1
+// token, 0.94 at 3, 1.08 at 4, 1.37 at 8; rank 16: 0.9 at 1, 1.2 at 2, 1.5
+// at 3; rank 32: 1.1 at 1, 1.9 at 2; rank 64: 1.3 at 1. Shrink rank 8: 0.75
+// at 1, 0.94 at 3, 1.05 at 4, 1.3 at 8; rank 16: 0.86 at 1, 1.05 at 2, 1.3 at
+// 3; rank 32: 0.9 at 1, 1.2 at 2; rank 64: 1.25 at 2.
 constexpr int64_t AmxSwapMinTokens(int64_t k, int64_t rows, bool pack) {
   if (pack) {
-    return k >= 64 ? 1 : k >= 32 ? 2 : k >= 16 ? 3 : k >= 8 ? 6 : kAmxMinTokens;
+    return k >= 32 ? 1 : k >= 16 ? 2 : k >= 8 ? 4 : kAmxMinTokens;
   }
-  return rows >= 32 ? 2 : rows >= 16 ? 3 : kAmxMinTokens;
+  return rows >= 16 ? 2 : rows >= 8 ? 4 : kAmxMinTokens;
 }
 
 // Within the pack blocking, a group of at most RowsMaxTokens(k, grouped)
