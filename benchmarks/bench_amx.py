@@ -1,8 +1,11 @@
 """AMX vs AVX512-BF16 vs the torch reference, by tokens per adapter.
 
-Shows where the per-call rule's threshold (kAmxMinTokens in
-csrc/cpu/bgmv_params.h: groups with at least that many tokens use AMX tiles)
-should lie. Every case is timed side by side in one process, interleaved,
+The forced "amx" path runs groups of at least kAmxMinTokens tokens on the
+regular tiles (weights packed into VNNI pairs) and smaller groups on the
+swapped-operand tiles (weights read in place); the automatic rule (both
+thresholds in csrc/cpu/bgmv_params.h: kAmxMinTokens, AmxSwapMinTokens)
+chooses between those and AVX512-BF16 per group. This table shows whether it
+chose well. Every case is timed side by side in one process, interleaved,
 medians of repeats; results are ratios, never one absolute time. Needs a CPU
 with AMX (the "amx" ISA path); elsewhere it says so and exits.
 
@@ -157,9 +160,10 @@ def main() -> None:
         f"bf16, H={_HIDDEN}, Hout={_HOUT}, rank {_RANK}, {_ADAPTERS} adapters, "
         "tokens spread evenly over the adapters (bgmv). Ratios of medians "
         "measured side by side in one process; >1 in the third column means "
-        "AMX is faster. 'auto path / best' is the per-call rule "
-        "(kAmxMinTokens) against the faster of the two forced paths (1.00 = "
-        "the rule picked the winner).",
+        "AMX is faster (swapped-operand tiles below kAmxMinTokens tokens per "
+        "adapter, regular tiles from there). 'auto path / best' is the "
+        "per-call rule (kAmxMinTokens, AmxSwapMinTokens) against the faster "
+        "of the two forced paths (1.00 = the rule picked the winner).",
         "",
         header,
         "|---|---|---|---|---|",

@@ -66,12 +66,15 @@ enum class Strategy : int8_t { kDot, kPack };
 // it is limited to k <= kMaxPackK.
 constexpr int64_t kMaxPackK = 256;
 
-// The per-call rule between AMX tiles and AVX512-BF16 (the one place it
-// lives): a group of tokens sharing an adapter goes through AMX when it has at
-// least this many tokens. Tile set-up and 16-row tiles waste most of the tile
-// on fewer tokens; benchmarks/bench_amx.py measures the crossover. A forced
-// VLLM_CPU_LORA_ISA=amx uses tiles for every group.
-constexpr int64_t kAmxMinTokens = 16;
+// A group of tokens sharing an adapter goes through the regular AMX tiles
+// (weights packed into VNNI pairs, token rows as the A tile) when it has at
+// least this many tokens; smaller groups take the swapped-operand tiles or
+// AVX512-BF16 (AmxSwapMinTokens below). Measured with
+// benchmarks/bench_amx.py and H 4096 (single thread, time regular /
+// swapped): rank 16, 16 tokens per adapter: shrink 1.8, expand 1.2; 24: 1.7,
+// 1.2; 32: 1.4, 0.9; rank 64, 16 per adapter over 16 adapters: shrink 1.5,
+// expand 1.0-1.2. The regular tiles' packing pays from 32 tokens (expand).
+constexpr int64_t kAmxMinTokens = 32;
 
 // Groups of fewer than kAmxMinTokens tokens run the AMX tiles with swapped
 // operands (weights as the A operand, read in place; see AmxSwapped) from
