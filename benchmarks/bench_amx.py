@@ -1,9 +1,9 @@
 """AMX vs AVX512-BF16 vs the torch reference, by tokens per adapter.
 
-The forced "amx" path runs groups of at least kAmxMinTokens tokens on the
+The forced "amx" path runs groups of at least AmxMinTokens tokens on the
 regular tiles (weights packed into VNNI pairs) and smaller groups on the
 swapped-operand tiles (weights read in place); the automatic rule (both
-thresholds in csrc/cpu/bgmv_params.h: kAmxMinTokens, AmxSwapMinTokens)
+thresholds in csrc/cpu/bgmv_params.h: AmxMinTokens, AmxSwapMinTokens)
 chooses between those and AVX512-BF16 per group. This table shows whether it
 chose well. Every case is timed side by side in one process, interleaved,
 medians of repeats; results are ratios, never one absolute time. Needs a CPU
@@ -160,9 +160,9 @@ def main() -> None:
         f"bf16, H={_HIDDEN}, Hout={_HOUT}, rank {_RANK}, {_ADAPTERS} adapters, "
         "tokens spread evenly over the adapters (bgmv). Ratios of medians "
         "measured side by side in one process; >1 in the third column means "
-        "AMX is faster (swapped-operand tiles below kAmxMinTokens tokens per "
+        "AMX is faster (swapped-operand tiles below AmxMinTokens tokens per "
         "adapter, regular tiles from there). 'auto path / best' is the "
-        "per-call rule (kAmxMinTokens, AmxSwapMinTokens) against the faster "
+        "per-call rule (AmxMinTokens, AmxSwapMinTokens) against the faster "
         "of the two forced paths (1.00 = the rule picked the winner).",
         "",
         header,

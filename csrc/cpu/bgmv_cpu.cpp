@@ -290,7 +290,7 @@ void Run(const Product& p, const std::vector<Group>& groups,
   a.add = p.add;
   a.tokens = tokens.data();
   a.groups = groups.data();
-  a.amx_min_tokens = kAmxMinTokens;
+  a.amx_min_tokens = AmxMinTokens(pack);
   a.amx_forced = choice.forced;
 
   int64_t total_tokens = 0;

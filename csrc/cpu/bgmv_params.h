@@ -49,9 +49,9 @@ struct LoraArgs {
   bool add;
   const int64_t* tokens;
   const Group* groups;
-  // AMX kernels only: groups with fewer tokens run the swapped-operand
-  // tiles (AmxSwapMinTokens, or always where amx_forced) or the AVX512-BF16
-  // kernel.
+  // AMX kernels only: groups with fewer tokens (AmxMinTokens) run the
+  // swapped-operand tiles (AmxSwapMinTokens, or always where amx_forced) or
+  // the AVX512-BF16 kernel.
   int64_t amx_min_tokens;
   bool amx_forced;
 };
@@ -68,17 +68,21 @@ constexpr int64_t kMaxPackK = 256;
 
 // A group of tokens sharing an adapter goes through the regular AMX tiles
 // (weights packed into VNNI pairs, token rows as the A tile) when it has at
-// least this many tokens; smaller groups take the swapped-operand tiles or
-// AVX512-BF16 (AmxSwapMinTokens below). Measured with
-// benchmarks/bench_amx.py and H 4096 (single thread, time regular /
-// swapped): rank 16, 16 tokens per adapter: shrink 1.8, expand 1.2; 24: 1.7,
-// 1.2; 32: 1.4, 0.9; rank 64, 16 per adapter over 16 adapters: shrink 1.5,
-// expand 1.0-1.2. The regular tiles' packing pays from 32 tokens (expand).
-constexpr int64_t kAmxMinTokens = 32;
+// least AmxMinTokens(pack) tokens; smaller groups take the swapped-operand
+// tiles or AVX512-BF16 (AmxSwapMinTokens below). `pack`: the pack blocking
+// (expand), else dot (shrink). Measured (single thread, H / Hout 4096, time
+// regular / swapped): expand rank 16: 1.2 at 16 and 24 tokens per adapter,
+// 0.9 at 32. Shrink rank 16: 1.8 at 16, 1.6 at 64; rank 64: 1.5 at 16, 1.7 at
+// 64, 1.5 at 128, 1.0 at 256; prefill (512-token segments): 0.7 at ranks 8
+// and 16, 1.1 at 64.
+constexpr int64_t AmxMinTokens(bool pack) { return pack ? 32 : 256; }
 
-// Groups of fewer than kAmxMinTokens tokens run the AMX tiles with swapped
-// operands (weights as the A operand, read in place; see AmxSwapped) from
-// this many tokens, else the AVX512-BF16 kernel; kAmxMinTokens means never.
+// Token counts no group reaches.
+constexpr int64_t kNever = int64_t{1} << 62;
+
+// Groups below AmxMinTokens run the AMX tiles with swapped operands (weights
+// as the A operand, read in place; see AmxSwapped) from this many tokens,
+// else the AVX512-BF16 kernel.
 // `pack`: the pack blocking (expand: k is the rank), else dot (shrink: `rows`
 // is the rank). The tiles cost nearly the same per 16 weight rows for k up
 // to 64 and up to 8 tokens; AVX512-BF16's cost grows with k and tokens.
@@ -90,9 +94,9 @@ constexpr int64_t kAmxMinTokens = 32;
 // 3; rank 32: 0.9 at 1, 1.2 at 2; rank 64: 1.25 at 2.
 constexpr int64_t AmxSwapMinTokens(int64_t k, int64_t rows, bool pack) {
   if (pack) {
-    return k >= 32 ? 1 : k >= 16 ? 2 : k >= 8 ? 4 : kAmxMinTokens;
+    return k >= 32 ? 1 : k >= 16 ? 2 : k >= 8 ? 4 : kNever;
   }
-  return rows >= 16 ? 2 : rows >= 8 ? 4 : kAmxMinTokens;
+  return rows >= 16 ? 2 : rows >= 8 ? 4 : kNever;
 }
 
 // Within the pack blocking, a group of at most RowsMaxTokens(k, grouped)
