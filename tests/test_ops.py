@@ -436,12 +436,13 @@ def oracle(call: Call) -> tuple[torch.Tensor, torch.Tensor]:
     return want, magnitude
 
 
-def check(call: Call, isa: str) -> None:
-    """Runs `call` and checks it against the oracle's error bound."""
+def check(call: Call, isa: str | None, run=None) -> None:
+    """Runs `call` (on ISA path `isa`, or through `run(call)`, which returns
+    the output) and checks it against the oracle's error bound."""
     want, magnitude = oracle(call)
     old = f64(call.output).clone()
 
-    got = run_kernel(call, isa)
+    got = run(call) if run is not None else run_kernel(call, isa)
 
     assert_close_to_oracle(
         got,
