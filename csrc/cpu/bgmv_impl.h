@@ -299,6 +299,60 @@ struct LoraKernel {
   }
 
   // -------------------------------------------------------------- rows --
+  // A vector of inputs or weights as the products take it: bf16 pairs
+  // (kPairs) or fp32 lanes.
+  using PV = typename PairVec<V, kPairs>::Type;
+
+  // Weight or input elements per PV.
+  static constexpr int LoadElems() {
+    if constexpr (kPairs) {
+      return V::kPairLanes;
+    } else {
+      return kL;
+    }
+  }
+
+  // LoadElems() weights from p, or (partial) its first n.
+  static PV LoadW(const TW* p) {
+    if constexpr (kPairs) {
+      return V::LoadPairs(p);
+    } else {
+      return V::Load(p);
+    }
+  }
+  static PV LoadWPartial(const TW* p, int n) {
+    if constexpr (kPairs) {
+      return V::LoadPairsPartial(p, n);
+    } else {
+      return V::LoadPartial(p, n);
+    }
+  }
+
+  // LoadElems() converted inputs from element e of xc, or (partial) n.
+  static PV LoadX(const PackT* xc, int64_t e) {
+    if constexpr (kPairs) {
+      return V::LoadPacked(xc + e / 2);
+    } else {
+      return V::Load(xc + e);
+    }
+  }
+  static PV LoadXPartial(const PackT* xc, int64_t e, int n) {
+    if constexpr (kPairs) {
+      return V::LoadPackedPartial(xc + e / 2, (n + 1) / 2);
+    } else {
+      return V::LoadPartial(xc + e, n);
+    }
+  }
+
+  // acc + the lane-wise products of x and w (pair products with kPairs).
+  static F MulAdd(F acc, PV x, PV w) {
+    if constexpr (kPairs) {
+      return V::Dot(acc, x, w);
+    } else {
+      return V::Fma(x, w, acc);
+    }
+  }
+
   // One token's converted inputs xc (rows entries) against weight rows
   // [n, n + kL) read in place: kL dot products along k, turned into kL
   // adjacent outputs by V::SumLanes. Rows at or past n + nr (nr <= kL) repeat
@@ -315,36 +369,15 @@ struct LoraKernel {
       const TW* row = wa + (n + std::min(j, nr - 1)) * a.w_row_stride;
       F s = V::Zero();
       int64_t kk = 0;
-      if constexpr (kPairs) {
-        constexpr int kS = V::kPairLanes;
-        for (; kk + kS <= k; kk += kS)
-          s = V::Dot(s, V::LoadPacked(xc + kk / 2), V::LoadPairs(row + kk));
-        if (kk < k) {
-          const int rest = static_cast<int>(k - kk);
-          s = V::Dot(s, V::LoadPackedPartial(xc + kk / 2, (rest + 1) / 2),
-                     V::LoadPairsPartial(row + kk, rest));
-        }
-      } else {
-        for (; kk + kL <= k; kk += kL)
-          s = V::Fma(V::Load(xc + kk), V::Load(row + kk), s);
-        if (kk < k) {
-          const int rest = static_cast<int>(k - kk);
-          s = V::Fma(V::LoadPartial(xc + kk, rest),
-                     V::LoadPartial(row + kk, rest), s);
-        }
+      for (; kk + LoadElems() <= k; kk += LoadElems())
+        s = MulAdd(s, LoadX(xc, kk), LoadW(row + kk));
+      if (kk < k) {
+        const int rest = static_cast<int>(k - kk);
+        s = MulAdd(s, LoadXPartial(xc, kk, rest), LoadWPartial(row + kk, rest));
       }
       acc[j] = s;
     }
     return V::SumLanes(acc);
-  }
-
-  // Weight elements per vector load: bf16 pairs or fp32 lanes.
-  static constexpr int LoadElems() {
-    if constexpr (kPairs) {
-      return V::kPairLanes;
-    } else {
-      return kL;
-    }
   }
 
   // RowsTile for whole tiles (kL rows) of contiguous rows of exactly kK
@@ -358,17 +391,10 @@ struct LoraKernel {
     for (int j = 0; j < kL; ++j) acc[j] = V::Zero();
 #pragma GCC unroll 8
     for (int kk = 0; kk < kK; kk += kS) {
-      if constexpr (kPairs) {
-        const typename V::BH xv = V::LoadPacked(xc + kk / 2);
+      const PV xv = LoadX(xc, kk);
 #pragma GCC unroll 16
-        for (int j = 0; j < kL; ++j)
-          acc[j] = V::Dot(acc[j], xv, V::LoadPairs(tile + j * kK + kk));
-      } else {
-        const F xv = V::Load(xc + kk);
-#pragma GCC unroll 16
-        for (int j = 0; j < kL; ++j)
-          acc[j] = V::Fma(xv, V::Load(tile + j * kK + kk), acc[j]);
-      }
+      for (int j = 0; j < kL; ++j)
+        acc[j] = MulAdd(acc[j], xv, LoadW(tile + j * kK + kk));
     }
     return V::SumLanes(acc);
   }
@@ -387,38 +413,25 @@ struct LoraKernel {
     }
   }
 
-  // Inputs repeated once per row of a vector, as the grouped rows tiles
-  // take them.
-  using XR = typename PairVec<V, kPairs>::Type;
-
   // RowsTile for short contiguous rows, kL / G rows per vector: G vectors
   // hold the kL rows [n, n + kL) (elements past row n + nr are not read),
   // one product each with the token's inputs repeated per row (xr), and
   // V::SumGroups sums each row's G lanes into its output lane.
   template <int G>
   static F RowsGroupTile(const TW* wa, int64_t k, int64_t n, int nr,
-                         const XR& xr) {
-    constexpr int64_t kElems = kPairs ? 2 * kL : kL;  // Elements per vector.
+                         const PV& xr) {
+    constexpr int64_t kElems = LoadElems();
     const TW* tile = wa + n * k;
     const int64_t valid = nr * k;
     F acc[G];
     for (int q = 0; q < G; ++q) {
       const int64_t left = valid - q * kElems;
-      if constexpr (kPairs) {
-        const typename V::BH w =
-            left >= kElems ? V::LoadPairs(tile + q * kElems)
-                           : V::LoadPairsPartial(
-                                 tile + q * kElems,
-                                 static_cast<int>(std::max<int64_t>(0, left)));
-        acc[q] = V::Dot(V::Zero(), xr, w);
-      } else {
-        const F w =
-            left >= kElems
-                ? V::Load(tile + q * kElems)
-                : V::LoadPartial(tile + q * kElems,
-                                 static_cast<int>(std::max<int64_t>(0, left)));
-        acc[q] = V::Mul(xr, w);
-      }
+      const PV w =
+          left >= kElems
+              ? LoadW(tile + q * kElems)
+              : LoadWPartial(tile + q * kElems,
+                             static_cast<int>(std::max<int64_t>(0, left)));
+      acc[q] = MulAdd(V::Zero(), xr, w);
     }
     return V::template SumGroups<G>(acc);
   }
@@ -428,15 +441,15 @@ struct LoraKernel {
   // serves every token from L1.
   static void RunRows(const LoraArgs& a, const TW* wa, const PackT* xc,
                       int64_t rows, const int64_t* tok, int64_t count,
-                      int64_t n0, int64_t n1) {
+                      int64_t n0, int64_t n1, int group_lanes) {
     TO* out = static_cast<TO*>(a.out);
     // kG: grouped tiles of kG lanes per row; else kK > 0: whole tiles of
     // contiguous kK-element rows through RowsTileFixed.
     auto sweep = [&](auto lanes, auto fixed_k) {
       constexpr int kG = decltype(lanes)::value;
       constexpr int kK = decltype(fixed_k)::value;
-      // The inputs repeated per row of a vector (grouped tiles only).
-      XR xr[kRowsMaxTokens];
+      // The inputs repeated once per row of a vector (grouped tiles only).
+      PV xr[kRowsMaxTokens];
       if constexpr (kG > 0) {
         for (int64_t i = 0; i < count; ++i)
           xr[i] = V::template Repeat<kG>(xc + i * rows);
@@ -460,7 +473,6 @@ struct LoraKernel {
     using std::integral_constant;
     using kNone = integral_constant<int, 0>;
     if constexpr (V::kRowGroups) {
-      const int group_lanes = RowGroupLanes(a);
       if (group_lanes == 4) return sweep(integral_constant<int, 4>{}, kNone{});
       if (group_lanes == 8) return sweep(integral_constant<int, 8>{}, kNone{});
     }
@@ -501,8 +513,10 @@ struct LoraKernel {
       }
       ConvertInputs(a, tok, count, xc.get());
       const TW* wa = w + g.adapter * a.w_adapter_stride;
-      if (count <= RowsMaxTokens(a.k, RowGroupLanes(a) > 0)) {
-        RunRows(a, wa, xc.get(), rows, tok, count, item.n0, item.n1);
+      const int group_lanes = RowGroupLanes(a);
+      if (count <= RowsMaxTokens(a.k, group_lanes > 0)) {
+        RunRows(a, wa, xc.get(), rows, tok, count, item.n0, item.n1,
+                group_lanes);
         continue;
       }
       if (blocks > packed_blocks) {
