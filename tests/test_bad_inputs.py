@@ -31,7 +31,7 @@ import pytest
 import torch
 from oracle import DISPATCH_OPS, SHRINK_OPS, VLLM_OPS
 
-import vllm_cpu_lora  # noqa: F401  (registers torch.ops.vllm_cpu_lora)
+import vllm_cpu_lora
 
 ISA_ENV = "VLLM_CPU_LORA_ISA"
 SANITIZED = os.environ.get("VLLM_CPU_LORA_SANITIZED") == "1"
@@ -637,18 +637,46 @@ def _snapshot(tensor: torch.Tensor) -> torch.Tensor | None:
     return raw.clone()
 
 
-def run_entry(entry: Bad) -> str | None:
-    """Makes the bad call; returns what was wrong with how it failed, or
-    None if it raised RuntimeError naming the argument and touched nothing."""
+def _eager_too(entry: Bad) -> bool:
+    """Whether `vllm_cpu_lora.ops` must fail on the entry as torch.ops does:
+    a decode op (whose eager fast path in _C checks the arguments itself)
+    with CPU inputs (other inputs go to the reference)."""
+    if entry.op not in EAGER_OPS:
+        return False
+    args = base_args(entry.op)
+    entry.mutate(args)
+    inputs = args.get("inputs")
+    return isinstance(inputs, torch.Tensor) and inputs.is_cpu
+
+
+EAGER_OPS = ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice")
+# (entry, API): every entry through torch.ops.vllm_cpu_lora, the decode ops'
+# entries also through vllm_cpu_lora.ops.
+RUNS = [(e, "torch.ops") for e in ENTRIES] + [
+    (e, "ops") for e in ENTRIES if _eager_too(e)
+]
+
+
+def run_id(entry: Bad, api: str) -> str:
+    return entry.id if api == "torch.ops" else f"{entry.id}/ops"
+
+
+def run_entry(entry: Bad, api: str = "torch.ops") -> str | None:
+    """Makes the bad call through `api` ("torch.ops" or "ops"); returns what
+    was wrong with how it failed, or None if it raised RuntimeError naming
+    the argument and touched nothing."""
     torch.manual_seed(0)
     args = base_args(entry.op)
     entry.mutate(args)
+    namespace = (
+        torch.ops.vllm_cpu_lora if api == "torch.ops" else vllm_cpu_lora.ops
+    )
     tensors = [a for a in args.values() if isinstance(a, torch.Tensor)]
     before = [_snapshot(t) for t in tensors]
     saved = {name: os.environ.get(name) for name, _ in entry.env}
     os.environ.update(dict(entry.env))
     try:
-        getattr(torch.ops.vllm_cpu_lora, entry.op)(*args.values())
+        getattr(namespace, entry.op)(*args.values())
     except RuntimeError as exc:
         error = exc
     except Exception as exc:  # noqa: BLE001  (reported, not raised)
@@ -681,18 +709,18 @@ def _skip_reason(entry: Bad) -> str | None:
     return None
 
 
-def _param(entry: Bad):
+def _param(entry: Bad, api: str):
     marks = []
     if _skip_reason(entry):
         marks.append(pytest.mark.skip(reason=_skip_reason(entry)))
     elif entry.bug:
         marks.append(pytest.mark.xfail(strict=True, reason=entry.bug))
-    return pytest.param(entry, id=entry.id, marks=marks)
+    return pytest.param(entry, api, id=run_id(entry, api), marks=marks)
 
 
-@pytest.mark.parametrize("entry", [_param(e) for e in ENTRIES])
-def test_bad_call_fails_cleanly(entry):
-    problem = run_entry(entry)
+@pytest.mark.parametrize(("entry", "api"), [_param(*r) for r in RUNS])
+def test_bad_call_fails_cleanly(entry, api):
+    problem = run_entry(entry, api)
     assert problem is None, problem
 
 
@@ -720,30 +748,33 @@ def test_table_in_subprocess():
         f"{proc.stderr[-4000:]}"
     )
     unexpected = []
-    for entry in ENTRIES:
+    for entry, api in RUNS:
         if _skip_reason(entry):
             continue
-        problem = results[entry.id]
+        name = run_id(entry, api)
+        problem = results[name]
         if entry.bug and problem is None:
-            unexpected.append(f"{entry.id}: known bug no longer shows")
+            unexpected.append(f"{name}: known bug no longer shows")
         elif not entry.bug and problem is not None:
-            unexpected.append(f"{entry.id}: {problem}")
+            unexpected.append(f"{name}: {problem}")
     assert not unexpected, "\n".join(unexpected)
 
 
 def test_table_covers_every_op():
     assert {e.op for e in ENTRIES} == set(VLLM_OPS + DISPATCH_OPS)
     assert len({e.id for e in ENTRIES}) == len(ENTRIES)
+    assert {e.op for e, api in RUNS if api == "ops"} == set(EAGER_OPS)
 
 
 def _main() -> int:
     """Child process: runs every entry, one JSON line each."""
-    for entry in ENTRIES:
+    for entry, api in RUNS:
         if _skip_reason(entry):
             continue
-        print(json.dumps({"start": entry.id}), flush=True)
+        name = run_id(entry, api)
+        print(json.dumps({"start": name}), flush=True)
         print(
-            json.dumps({"id": entry.id, "problem": run_entry(entry)}),
+            json.dumps({"id": name, "problem": run_entry(entry, api)}),
             flush=True,
         )
     print(json.dumps({"done": True}), flush=True)

@@ -1089,6 +1089,142 @@ def test_ops_module_reaches_the_kernels(monkeypatch):
         ops.bgmv_shrink(*call.args)
 
 
+# ------------------------------------------------------- eager fast path --
+
+EAGER_OPS = ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice")
+
+
+def _eager(call: Call) -> bool:
+    """Calls the op's eager fast path in _C; whether it ran the kernel."""
+    return getattr(vllm_cpu_lora._C, "eager_" + call.op)(*call.args)
+
+
+class _Passthrough(torch.Tensor):
+    """A tensor subclass with the default __torch_function__."""
+
+
+class _SeenOps(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+class _SeenFunctions(torch.overrides.TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.seen.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("op", EAGER_OPS)
+def test_eager_fast_path_runs_the_kernel(op, isa):
+    """On plain CPU tensors (inference tensors and Parameters too) the fast
+    path runs the kernel, with the oracle's result and bit for bit the
+    dispatched op's."""
+    for variant, wrap in (
+        ("plain", lambda call: None),
+        (
+            "parameter",
+            lambda call: call.args.__setitem__(
+                call.w, torch.nn.Parameter(call.args[call.w], False)
+            ),
+        ),
+    ):
+        gen = make_generator("eager", op, variant)
+        call = base_call(op, (BF16, BF16, F32), gen)
+        wrap(call)
+        check(call, isa, run=lambda c: (_eager(c) or None) and c.output)
+        dispatched = dataclasses.replace(
+            call, args=list(call.args), api=torch.ops.vllm_cpu_lora
+        )
+        dispatched.args[call.out] = torch.full_like(call.output, NAN)
+        call.args[call.out] = torch.full_like(call.output, NAN)
+        assert _eager(call)
+        run_kernel(dispatched, isa)
+        torch.testing.assert_close(
+            call.output, dispatched.output, rtol=0, atol=0, equal_nan=True
+        )
+    with torch.inference_mode():
+        call = base_call(op, (BF16, BF16, F32), make_generator("eager", op))
+        check(call, isa, run=lambda c: (_eager(c) or None) and c.output)
+
+
+@pytest.mark.parametrize("op", EAGER_OPS)
+def test_eager_fast_path_declines(op):
+    """Wherever the dispatcher has more to do than reach the CPU kernel, the
+    fast path answers False without touching the output, and ops reaches
+    the op through the dispatcher."""
+    gen = make_generator("eager-declines", op)
+
+    def declined(call: Call) -> None:
+        before = call.output.clone()
+        assert _eager(call) is False
+        torch.testing.assert_close(
+            call.output, before, rtol=0, atol=0, equal_nan=True
+        )
+
+    call = base_call(op, (F32, F32, F32), gen)
+    call.args[call.x].requires_grad_(True)
+    declined(call)
+    with torch.no_grad():
+        assert _eager(call)
+
+    call = base_call(op, (F32, F32, F32), gen)
+    call.args[call.w] = call.args[call.w].as_subclass(_Passthrough)
+    declined(call)
+
+    call = base_call(op, (F32, F32, F32), gen)
+    call.args[call.x] = call.args[call.x].to("meta")
+    declined(call)
+
+    call = base_call(op, (F32, F32, F32), gen)
+    scalar = len(call.args) - 1
+    call.args[scalar] = torch.tensor(call.args[scalar]).numpy()[()]
+    declined(call)
+
+    call = base_call(op, (F32, F32, F32), gen)
+    with _SeenOps() as mode:
+        declined(call)
+        getattr(ops, op)(*call.args)
+    assert getattr(torch.ops.vllm_cpu_lora, op).default in mode.seen
+
+    call = base_call(op, (F32, F32, F32), gen)
+    with _SeenFunctions() as mode:
+        declined(call)
+        getattr(ops, op)(*call.args)
+    packet = getattr(torch.ops.vllm_cpu_lora, op)
+    assert packet in mode.seen or packet.default in mode.seen
+
+    call = base_call(op, (F32, F32, F32), gen)
+    with torch._subclasses.fake_tensor.FakeTensorMode() as fake:
+        call.args = [
+            fake.from_tensor(a) if isinstance(a, torch.Tensor) else a
+            for a in call.args
+        ]
+        assert _eager(call) is False
+
+    with pytest.raises(TypeError, match="takes"):
+        getattr(vllm_cpu_lora._C, "eager_" + op)(*call.args[:-1])
+
+
+def test_eager_fast_path_is_profiled():
+    """A fast-path call shows in torch.profiler under the op's name."""
+    call = base_call("bgmv_shrink", (BF16, BF16, F32), make_generator("prof"))
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU]
+    ) as prof:
+        assert _eager(call)
+    names = {event.name for event in prof.events()}
+    assert "vllm_cpu_lora::bgmv_shrink" in names
+
+
 # ------------------------------------------------ registration and tracing --
 
 

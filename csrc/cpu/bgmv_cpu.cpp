@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "bgmv_params.h"
+#include "ops.h"
 
 namespace vllm_cpu_lora {
 namespace {
@@ -411,6 +412,8 @@ Product Prepare(const at::Tensor& inputs, const char* inputs_name,
 
 constexpr const char* kLoraRange = " (-1 means no LoRA)";
 
+}  // namespace
+
 // ------------------------------------------------------------------ ops --
 
 void BgmvShrink(const at::Tensor& inputs, const at::Tensor& lora_a_weights,
@@ -465,6 +468,8 @@ void BgmvExpand(const at::Tensor& inputs, const at::Tensor& lora_b_weights,
   BgmvExpandSlice(inputs, lora_b_weights, output_tensor, lora_indices_tensor, 0,
                   output_tensor.size(1), add_inputs);
 }
+
+namespace {
 
 // Segments of an sgmv call: segment i is tokens [start, start + len) with
 // adapter lora[i]. Checked in bounds and pairwise disjoint.
