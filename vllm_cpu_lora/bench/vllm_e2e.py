@@ -45,6 +45,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -910,7 +911,7 @@ def write_plot(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, ax = plt.subplots(figsize=(8, 4.6))
     xs = range(len(CONFIGS))
     meds = [summary[c.name]["decode_tok_s_median"] for c in CONFIGS]
     colors = ["0.55", "C1", "C0", "C2"]
@@ -936,7 +937,9 @@ def write_plot(
         label=f"target: {100 * TARGET_RATIO:.0f}% of no-LoRA",
     )
     ax.set_xticks(list(xs))
-    ax.set_xticklabels([c.title for c in CONFIGS], fontsize=8)
+    ax.set_xticklabels(
+        [textwrap.fill(c.title, 22) for c in CONFIGS], fontsize=8
+    )
     ax.set_ylabel("decode tokens/s (median; dots: rounds)")
     ax.set_ylim(0, max(meds) * 1.25)
     ax.legend(fontsize=8, loc="lower right")
