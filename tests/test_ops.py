@@ -1089,6 +1089,64 @@ def test_ops_module_reaches_the_kernels(monkeypatch):
         ops.bgmv_shrink(*call.args)
 
 
+@pytest.mark.parametrize(
+    "dtypes",
+    ((BF16, BF16, F32), (F32, F32, F32), (F16, BF16, F32), (BF16, BF16, BF16)),
+    ids=dtypes_id,
+)
+@pytest.mark.parametrize("op", ("bgmv_shrink", "sgmv_shrink", "dispatch_bgmv"))
+def test_shrink_split_k(op, dtypes, isa):
+    """A shrink with a single block of tokens and work enough for two
+    threads splits its reduction between them (RunSplitK): odd k, so the
+    parts differ in length and the last is odd; -1 rows; add mode for the
+    dispatch op. Checked against the oracle; for fp32 outputs, the result
+    must differ in its last bits from the one-thread run, which shows that
+    the split path ran (nine tokens x 40 sums of 4097 random products summed
+    in two parts: the chance that every one rounds the same is nil)."""
+    gen = make_generator("split-k", op, dtypes)
+    if op == "dispatch_bgmv":
+        call = dispatch_call(
+            op,
+            dtypes,
+            batch=9,
+            h_in=4097,
+            h_out=40,
+            loras=1,
+            pattern="mixed",
+            gen=gen,
+        )
+    else:
+        call = shrink_call(
+            op,
+            dtypes,
+            batch=9,
+            hidden=4097,
+            rank=40,
+            loras=1,
+            pattern="mixed",
+            gen=gen,
+        )
+    one_thread = dataclasses.replace(call, args=list(call.args))
+    one_thread.args[call.out] = call.output.clone()
+
+    def run_with(threads):
+        def run(c):
+            saved = torch.get_num_threads()
+            torch.set_num_threads(threads)
+            try:
+                getattr(c.api, c.op)(*c.args)
+            finally:
+                torch.set_num_threads(saved)
+            return c.output
+
+        return run
+
+    check(call, isa, run=run_with(2))
+    if dtypes[2] == F32:
+        run_with(1)(one_thread)
+        assert not torch.equal(call.output, one_thread.output)
+
+
 # ------------------------------------------------------- eager fast path --
 
 EAGER_OPS = ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice")

@@ -255,6 +255,67 @@ struct Product {
 // microseconds, which a smaller call would not win back.
 constexpr int64_t kParallelMacs = int64_t{1} << 18;
 
+int64_t ElementSize(DType t) { return t == DType::kFloat ? 4 : 2; }
+
+// A shrink with fewer token blocks than threads, parallel over the
+// reduction: part s runs `fn` over k elements [k0, k0 + kc) (kc a multiple of
+// 32, as the bf16 pairs and AMX tiles want) into fp32 partial rows of its
+// own, unscaled; the partials are then summed, scaled and added or stored
+// into the real output, one rounding to its dtype as in the kernels.
+void RunSplitK(const LoraArgs& a, KernelFn fn,
+               const std::vector<WorkItem>& items,
+               const std::vector<Group>& groups,
+               const std::vector<int64_t>& tokens, int64_t num_rows, int64_t n,
+               int threads) {
+  const int64_t kc = (a.k + 32 * threads - 1) / (32 * threads) * 32;
+  const int64_t parts = (a.k + kc - 1) / kc;
+  std::vector<float> partial(parts * num_rows * n);
+  at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t s = begin; s < end; ++s) {
+      LoraArgs part = a;
+      const int64_t k0 = s * kc;
+      part.x = static_cast<const char*>(a.x) + k0 * ElementSize(a.x_dtype);
+      part.w = static_cast<const char*>(a.w) + k0 * ElementSize(a.w_dtype);
+      part.k = std::min(kc, a.k - k0);
+      part.out = partial.data() + s * num_rows * n;
+      part.out_row_stride = n;
+      part.out_dtype = DType::kFloat;
+      part.scale = 1.0f;
+      part.add = false;
+      fn(part, items.data(), 0, static_cast<int64_t>(items.size()));
+    }
+  });
+  auto combine = [&](auto* out) {
+    using T = std::remove_pointer_t<decltype(out)>;
+    for (const Group& g : groups) {
+      for (int64_t i = 0; i < g.token_count; ++i) {
+        const int64_t t = tokens[g.token_begin + i];
+        T* row = out + t * a.out_row_stride;
+        for (int64_t j = 0; j < n; ++j) {
+          float sum = 0.0f;
+          for (int64_t s = 0; s < parts; ++s) {
+            sum += partial[(s * num_rows + t) * n + j];
+          }
+          float v = a.scale * sum;
+          if (a.add) v += static_cast<float>(row[j]);
+          row[j] = static_cast<T>(v);
+        }
+      }
+    }
+  };
+  switch (a.out_dtype) {
+    case DType::kFloat:
+      combine(static_cast<float*>(a.out));
+      break;
+    case DType::kBFloat16:
+      combine(static_cast<c10::BFloat16*>(a.out));
+      break;
+    case DType::kHalf:
+      combine(static_cast<c10::Half*>(a.out));
+      break;
+  }
+}
+
 void Run(const Product& p, const std::vector<Group>& groups,
          const std::vector<int64_t>& tokens) {
   const int64_t k = p.x.size(1);
@@ -301,24 +362,33 @@ void Run(const Product& p, const std::vector<Group>& groups,
   const bool parallel =
       threads > 1 && macs >= kParallelMacs && !at::in_parallel_region();
 
-  // Items of up to kMBlock tokens by n_block columns; with threads, halve the
-  // column blocks until there are a few items per thread.
+  // Items of up to kMBlock tokens by n_block columns.
   constexpr int64_t kMBlock = 64;
-  const int64_t align = pack ? 64 : 8;
+  int64_t m_blocks = 0;
+  for (const Group& g : groups)
+    m_blocks += (g.token_count + kMBlock - 1) / kMBlock;
   int64_t n_block = pack ? std::min<int64_t>(p.n, 512) : p.n;
-  auto count_items = [&](int64_t nb) {
-    int64_t count = 0;
-    for (const Group& g : groups)
-      count += (g.token_count + kMBlock - 1) / kMBlock;
-    return count * ((p.n + nb - 1) / nb);
-  };
-  if (parallel) {
-    while (count_items(n_block) < 4 * threads && n_block > align) {
-      n_block = std::max(align, (n_block / 2 + align - 1) / align * align);
+  if (parallel && pack) {
+    // Expand: halve the column blocks until there are a few items per
+    // thread.
+    constexpr int64_t kAlign = 64;
+    while (m_blocks * ((p.n + n_block - 1) / n_block) < 4 * threads &&
+           n_block > kAlign) {
+      n_block = std::max(kAlign, (n_block / 2 + kAlign - 1) / kAlign * kAlign);
     }
   }
+  // Shrink keeps whole rows per item: split among threads, every part would
+  // redo the per-token work (the AMX tiles interleave each token row once
+  // per item) for a part of the few outputs. With fewer token blocks than
+  // threads it splits the reduction instead (RunSplitK), except where the
+  // kernels round fp32 inputs for a bf16 output (bgmv_impl.h), which the
+  // fp32 partial rows would not.
+  const bool rounds_x = a.x_dtype == DType::kFloat &&
+                        a.w_dtype == DType::kBFloat16 &&
+                        a.out_dtype == DType::kBFloat16;
+  const bool split_k = parallel && !pack && m_blocks < threads && !rounds_x;
   std::vector<WorkItem> items;
-  items.reserve(count_items(n_block));
+  items.reserve(m_blocks * ((p.n + n_block - 1) / n_block));
   for (int64_t gi = 0; gi < static_cast<int64_t>(groups.size()); ++gi) {
     const int64_t count = groups[gi].token_count;
     for (int64_t m = 0; m < count; m += kMBlock) {
@@ -329,7 +399,9 @@ void Run(const Product& p, const std::vector<Group>& groups,
     }
   }
   const int64_t num_items = static_cast<int64_t>(items.size());
-  if (!parallel) {
+  if (split_k) {
+    RunSplitK(a, fn, items, groups, tokens, p.x.size(0), p.n, threads);
+  } else if (!parallel) {
     fn(a, items.data(), 0, num_items);
   } else {
     at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
