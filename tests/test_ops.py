@@ -382,16 +382,15 @@ def dispatch_call(
     return Call(op, args, 0, 1, 2, 5, h_in, True)
 
 
-def run_kernel(call: Call, isa: str) -> torch.Tensor:
-    """Runs the op in place with KERNEL_THREADS threads; returns the
-    output."""
+def run_kernel(call: Call, isa: str, threads: int = KERNEL_THREADS):
+    """Runs the op in place with `threads` threads; returns the output."""
     assert vllm_cpu_lora.isa() == isa
-    threads = torch.get_num_threads()
-    torch.set_num_threads(KERNEL_THREADS)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
     try:
         getattr(call.api, call.op)(*call.args)
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(saved)
     return call.output
 
 
@@ -1129,21 +1128,9 @@ def test_shrink_split_k(op, dtypes, isa):
     one_thread = dataclasses.replace(call, args=list(call.args))
     one_thread.args[call.out] = call.output.clone()
 
-    def run_with(threads):
-        def run(c):
-            saved = torch.get_num_threads()
-            torch.set_num_threads(threads)
-            try:
-                getattr(c.api, c.op)(*c.args)
-            finally:
-                torch.set_num_threads(saved)
-            return c.output
-
-        return run
-
-    check(call, isa, run=run_with(2))
+    check(call, isa, run=lambda c: run_kernel(c, isa, threads=2))
     if dtypes[2] == F32:
-        run_with(1)(one_thread)
+        run_kernel(one_thread, isa, threads=1)
         assert not torch.equal(call.output, one_thread.output)
 
 
