@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <memory>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -269,7 +270,9 @@ void RunSplitK(const LoraArgs& a, KernelFn fn,
                int threads) {
   const int64_t kc = (a.k + 32 * threads - 1) / (32 * threads) * 32;
   const int64_t parts = (a.k + kc - 1) / kc;
-  std::vector<float> partial(parts * num_rows * n);
+  // Rows are indexed by token; only the groups' token rows are written and
+  // read, so the buffer is left uninitialised.
+  std::unique_ptr<float[]> partial(new float[parts * num_rows * n]);
   at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
     for (int64_t s = begin; s < end; ++s) {
       LoraArgs part = a;
@@ -277,7 +280,7 @@ void RunSplitK(const LoraArgs& a, KernelFn fn,
       part.x = static_cast<const char*>(a.x) + k0 * ElementSize(a.x_dtype);
       part.w = static_cast<const char*>(a.w) + k0 * ElementSize(a.w_dtype);
       part.k = std::min(kc, a.k - k0);
-      part.out = partial.data() + s * num_rows * n;
+      part.out = partial.get() + s * num_rows * n;
       part.out_row_stride = n;
       part.out_dtype = DType::kFloat;
       part.scale = 1.0f;

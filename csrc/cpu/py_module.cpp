@@ -54,9 +54,12 @@ const at::Tensor* PlainCpu(PyObject* obj) {
 class GilRelease {
  public:
   GilRelease(const at::Tensor& inputs, const at::Tensor& weights) {
-    constexpr int64_t kMinWork = int64_t{1} << 20;  // ~10 us of kernel time.
-    const int64_t rows = weights.dim() >= 2 ? weights.size(-2) : 1;
-    if (inputs.numel() * rows >= kMinWork) state_ = PyEval_SaveThread();
+    constexpr double kMinWork = 1 << 20;  // ~10 us of kernel time.
+    // In double: the sizes are not checked yet, and may be absurd.
+    const double rows = weights.dim() >= 2 ? weights.size(-2) : 1;
+    if (static_cast<double>(inputs.numel()) * rows >= kMinWork) {
+      state_ = PyEval_SaveThread();
+    }
   }
   ~GilRelease() {
     if (state_ != nullptr) PyEval_RestoreThread(state_);
