@@ -71,87 +71,92 @@ class GilRelease {
   PyThreadState* state_ = nullptr;
 };
 
-// Checks the argument count and unpacks the first `n` arguments as plain
-// CPU tensors; false if any is not one.
+// Every decode op starts with inputs, weights, output and indices.
+constexpr int kTensors = 4;
+
+// Checks the argument count and unpacks the first kTensors arguments as
+// plain CPU tensors; false if any is not one (with a TypeError pending for a
+// wrong count).
 bool UnpackTensors(PyObject* const* args, Py_ssize_t nargs, Py_ssize_t want,
-                   const char* op, int n, const at::Tensor** out) {
+                   const char* op, const at::Tensor* (&t)[kTensors]) {
   if (nargs != want) {
     PyErr_Format(PyExc_TypeError, "%s takes %zd arguments, got %zd", op, want,
                  nargs);
     return false;
   }
-  for (int i = 0; i < n; ++i) {
-    out[i] = PlainCpu(args[i]);
-    if (out[i] == nullptr) return false;
+  for (int i = 0; i < kTensors; ++i) {
+    t[i] = PlainCpu(args[i]);
+    if (t[i] == nullptr) return false;
   }
   return true;
 }
 
+// The answer when the call is left to torch.ops: False, or the error set
+// while looking at the arguments.
+PyObject* Declined() {
+  if (PyErr_Occurred()) return nullptr;
+  Py_RETURN_FALSE;
+}
+
+// Runs the op `name` through `kernel` on tensors t: the GIL released for
+// large calls and the call recorded for the profiler, as the dispatcher
+// would. Returns True.
+template <class Kernel>
+PyObject* Run(const char* name, const at::Tensor* const (&t)[kTensors],
+              Kernel&& kernel) {
+  {
+    GilRelease no_gil(*t[0], *t[1]);
+    RECORD_FUNCTION(name,
+                    std::vector<c10::IValue>({*t[0], *t[1], *t[2], *t[3]}));
+    kernel();
+  }
+  Py_RETURN_TRUE;
+}
+
 PyObject* EagerBgmvShrink(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  const at::Tensor* t[4];
-  if (!UnpackTensors(args, nargs, 5, "bgmv_shrink", 4, t)) {
-    if (PyErr_Occurred()) return nullptr;
-    Py_RETURN_FALSE;
-  }
-  if (!PyFloat_CheckExact(args[4]) && !PyLong_CheckExact(args[4])) {
-    Py_RETURN_FALSE;
+  const at::Tensor* t[kTensors];
+  if (!UnpackTensors(args, nargs, 5, "bgmv_shrink", t) ||
+      !(PyFloat_CheckExact(args[4]) || PyLong_CheckExact(args[4]))) {
+    return Declined();
   }
   const double scaling = PyFloat_AsDouble(args[4]);
   if (PyErr_Occurred()) return nullptr;
-  {
-    GilRelease no_gil(*t[0], *t[1]);
-    RECORD_FUNCTION("vllm_cpu_lora::bgmv_shrink",
-                    std::vector<c10::IValue>({*t[0], *t[1], *t[2], *t[3]}));
-    BgmvShrink(*t[0], *t[1], *t[2], *t[3], scaling);
-  }
-  Py_RETURN_TRUE;
+  return Run("vllm_cpu_lora::bgmv_shrink", t,
+             [&] { BgmvShrink(*t[0], *t[1], *t[2], *t[3], scaling); });
   END_HANDLE_TH_ERRORS
 }
 
 PyObject* EagerBgmvExpand(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  const at::Tensor* t[4];
-  if (!UnpackTensors(args, nargs, 5, "bgmv_expand", 4, t)) {
-    if (PyErr_Occurred()) return nullptr;
-    Py_RETURN_FALSE;
+  const at::Tensor* t[kTensors];
+  if (!UnpackTensors(args, nargs, 5, "bgmv_expand", t) ||
+      !PyBool_Check(args[4])) {
+    return Declined();
   }
-  if (!PyBool_Check(args[4])) Py_RETURN_FALSE;
   const bool add_inputs = args[4] == Py_True;
-  {
-    GilRelease no_gil(*t[0], *t[1]);
-    RECORD_FUNCTION("vllm_cpu_lora::bgmv_expand",
-                    std::vector<c10::IValue>({*t[0], *t[1], *t[2], *t[3]}));
-    BgmvExpand(*t[0], *t[1], *t[2], *t[3], add_inputs);
-  }
-  Py_RETURN_TRUE;
+  return Run("vllm_cpu_lora::bgmv_expand", t,
+             [&] { BgmvExpand(*t[0], *t[1], *t[2], *t[3], add_inputs); });
   END_HANDLE_TH_ERRORS
 }
 
 PyObject* EagerBgmvExpandSlice(PyObject*, PyObject* const* args,
                                Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  const at::Tensor* t[4];
-  if (!UnpackTensors(args, nargs, 7, "bgmv_expand_slice", 4, t)) {
-    if (PyErr_Occurred()) return nullptr;
-    Py_RETURN_FALSE;
-  }
-  if (!PyLong_CheckExact(args[4]) || !PyLong_CheckExact(args[5]) ||
+  const at::Tensor* t[kTensors];
+  if (!UnpackTensors(args, nargs, 7, "bgmv_expand_slice", t) ||
+      !PyLong_CheckExact(args[4]) || !PyLong_CheckExact(args[5]) ||
       !PyBool_Check(args[6])) {
-    Py_RETURN_FALSE;
+    return Declined();
   }
   const int64_t slice_offset = PyLong_AsLongLong(args[4]);
   const int64_t slice_size = PyLong_AsLongLong(args[5]);
   if (PyErr_Occurred()) return nullptr;
   const bool add_inputs = args[6] == Py_True;
-  {
-    GilRelease no_gil(*t[0], *t[1]);
-    RECORD_FUNCTION("vllm_cpu_lora::bgmv_expand_slice",
-                    std::vector<c10::IValue>({*t[0], *t[1], *t[2], *t[3]}));
+  return Run("vllm_cpu_lora::bgmv_expand_slice", t, [&] {
     BgmvExpandSlice(*t[0], *t[1], *t[2], *t[3], slice_offset, slice_size,
                     add_inputs);
-  }
-  Py_RETURN_TRUE;
+  });
   END_HANDLE_TH_ERRORS
 }
 
