@@ -369,6 +369,13 @@ struct AmxKernel {
     bool configured = false;
     bool used_tiles = false;
     const c10::BFloat16* w = static_cast<const c10::BFloat16*>(a.w);
+    // Items for the AVX512-BF16 kernel go to it in runs [fallback, it): its
+    // per-call set-up (buffers, converted inputs) is then paid once per run.
+    int64_t fallback = begin;
+    auto flush = [&](int64_t it) {
+      if (fallback < it) kFallback(a, items, fallback, it);
+      fallback = it + 1;
+    };
     for (int64_t it = begin; it < end; ++it) {
       const WorkItem& item = items[it];
       const Group& g = a.groups[item.group];
@@ -377,14 +384,14 @@ struct AmxKernel {
             (a.amx_forced ||
              g.token_count >=
                  AmxSwapMinTokens(a.k, item.n1 - item.n0, kPackStrategy))) {
+          flush(it);
           Swapped::RunItem(a, item, bt, bt_size);
           used_tiles = true;
           configured = false;  // The swapped tiles have their own shapes.
-        } else {
-          kFallback(a, items, it, it + 1);
         }
         continue;
       }
+      flush(it);
       if (!configured) {
         if (!X) X.reset(new uint16_t[kTileRows * 2 * pair_rows]);
         ConfigureTiles();
@@ -426,6 +433,7 @@ struct AmxKernel {
         }
       }
     }
+    flush(end);
     if (used_tiles) _tile_release();
   }
 };
