@@ -10,6 +10,8 @@
 #include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/Utils.h>
+#include <c10/util/ArrayRef.h>
+#include <c10/util/SmallVector.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -24,6 +26,12 @@
 
 namespace vllm_cpu_lora {
 namespace {
+
+// Per-call lists with inline storage sized for decode batches, so a small
+// call makes no heap allocation (each is tens of nanoseconds of a ~0.5 us
+// call); larger ones spill to the heap.
+using IndexList = c10::SmallVector<int64_t, 64>;
+using GroupList = c10::SmallVector<Group, 16>;
 
 // ------------------------------------------------------------------ ISA --
 
@@ -193,16 +201,15 @@ at::Tensor Matrix(const at::Tensor& t, const char* name) {
 
 // Reads `count` integer values of a 1-D CPU index tensor, checking each lies
 // in [lo, hi]. Nothing else is touched before all are checked.
-std::vector<int64_t> ReadIndices(const at::Tensor& t, const char* name,
-                                 int64_t count, int64_t lo, int64_t hi,
-                                 const char* range_note) {
+IndexList ReadIndices(const at::Tensor& t, const char* name, int64_t count,
+                      int64_t lo, int64_t hi, const char* range_note) {
   CheckCpu(t, name);
   TORCH_CHECK(t.scalar_type() == at::kLong || t.scalar_type() == at::kInt, name,
               " must be an int64 or int32 tensor, got ", t.scalar_type());
   TORCH_CHECK(t.dim() == 1, name, " must be 1-D, got shape ", t.sizes());
   TORCH_CHECK(t.size(0) >= count, name, " has ", t.size(0),
               " entries, fewer than the ", count, " needed");
-  std::vector<int64_t> values(count);
+  IndexList values(count);
   const int64_t stride = t.stride(0);
   if (t.scalar_type() == at::kLong) {
     const int64_t* p = t.const_data_ptr<int64_t>();
@@ -263,11 +270,9 @@ int64_t ElementSize(DType t) { return t == DType::kFloat ? 4 : 2; }
 // 32, as the bf16 pairs and AMX tiles want) into fp32 partial rows of its
 // own, unscaled; the partials are then summed, scaled and added or stored
 // into the real output, one rounding to its dtype as in the kernels.
-void RunSplitK(const LoraArgs& a, KernelFn fn,
-               const std::vector<WorkItem>& items,
-               const std::vector<Group>& groups,
-               const std::vector<int64_t>& tokens, int64_t num_rows, int64_t n,
-               int threads) {
+void RunSplitK(const LoraArgs& a, KernelFn fn, c10::ArrayRef<WorkItem> items,
+               c10::ArrayRef<Group> groups, c10::ArrayRef<int64_t> tokens,
+               int64_t num_rows, int64_t n, int threads) {
   const int64_t kc = (a.k + 32 * threads - 1) / (32 * threads) * 32;
   const int64_t parts = (a.k + kc - 1) / kc;
   // Rows are indexed by token; only the groups' token rows are written and
@@ -319,8 +324,8 @@ void RunSplitK(const LoraArgs& a, KernelFn fn,
   }
 }
 
-void Run(const Product& p, const std::vector<Group>& groups,
-         const std::vector<int64_t>& tokens) {
+void Run(const Product& p, c10::ArrayRef<Group> groups,
+         c10::ArrayRef<int64_t> tokens) {
   const int64_t k = p.x.size(1);
   if (groups.empty() || p.n == 0) return;
   if (k == 0) {
@@ -390,7 +395,7 @@ void Run(const Product& p, const std::vector<Group>& groups,
                         a.w_dtype == DType::kBFloat16 &&
                         a.out_dtype == DType::kBFloat16;
   const bool split_k = parallel && !pack && m_blocks < threads && !rounds_x;
-  std::vector<WorkItem> items;
+  c10::SmallVector<WorkItem, 32> items;
   items.reserve(m_blocks * ((p.n + n_block - 1) / n_block));
   for (int64_t gi = 0; gi < static_cast<int64_t>(groups.size()); ++gi) {
     const int64_t count = groups[gi].token_count;
@@ -415,17 +420,16 @@ void Run(const Product& p, const std::vector<Group>& groups,
 
 // Groups tokens [0, count) by adapter (counting sort); -1 rows are skipped
 // and returned in `no_lora`.
-void GroupByAdapter(const std::vector<int64_t>& indices, int64_t num_adapters,
-                    std::vector<Group>* groups, std::vector<int64_t>* tokens,
-                    std::vector<int64_t>* no_lora) {
+void GroupByAdapter(c10::ArrayRef<int64_t> indices, int64_t num_adapters,
+                    GroupList* groups, IndexList* tokens, IndexList* no_lora) {
   const int64_t count = static_cast<int64_t>(indices.size());
-  std::vector<int64_t> starts(num_adapters + 1, 0);
+  IndexList starts(num_adapters + 1, 0);
   for (int64_t i = 0; i < count; ++i) {
     if (indices[i] >= 0) ++starts[indices[i] + 1];
   }
   std::partial_sum(starts.begin(), starts.end(), starts.begin());
   tokens->assign(starts[num_adapters], 0);
-  std::vector<int64_t> fill(starts.begin(), starts.end() - 1);
+  IndexList fill(starts.begin(), starts.end() - 1);
   for (int64_t i = 0; i < count; ++i) {
     if (indices[i] >= 0) {
       (*tokens)[fill[indices[i]]++] = i;
@@ -440,7 +444,7 @@ void GroupByAdapter(const std::vector<int64_t>& indices, int64_t num_adapters,
   }
 }
 
-void ZeroRows(const at::Tensor& out, const std::vector<int64_t>& rows,
+void ZeroRows(const at::Tensor& out, c10::ArrayRef<int64_t> rows,
               int64_t cols) {
   char* base = static_cast<char*>(out.data_ptr());
   const int64_t row_bytes = out.stride(0) * out.element_size();
@@ -503,8 +507,8 @@ void BgmvShrink(const at::Tensor& inputs, const at::Tensor& lora_a_weights,
   const auto indices =
       ReadIndices(lora_indices_tensor, "lora_indices_tensor", inputs.size(0),
                   -1, w.num_adapters - 1, kLoraRange);
-  std::vector<Group> groups;
-  std::vector<int64_t> tokens, no_lora;
+  GroupList groups;
+  IndexList tokens, no_lora;
   GroupByAdapter(indices, w.num_adapters, &groups, &tokens, &no_lora);
   p.n = w.rows;
   p.scale = static_cast<float>(scaling);
@@ -526,8 +530,8 @@ void BgmvExpandSlice(const at::Tensor& inputs, const at::Tensor& lora_b_weights,
   const auto indices =
       ReadIndices(lora_indices_tensor, "lora_indices_tensor", inputs.size(0),
                   -1, w.num_adapters - 1, kLoraRange);
-  std::vector<Group> groups;
-  std::vector<int64_t> tokens, no_lora;
+  GroupList groups;
+  IndexList tokens, no_lora;
   GroupByAdapter(indices, w.num_adapters, &groups, &tokens, &no_lora);
   p.col0 = slice_offset;
   p.n = std::min(w.rows, slice_size);
@@ -549,7 +553,7 @@ namespace {
 // Segments of an sgmv call: segment i is tokens [start, start + len) with
 // adapter lora[i]. Checked in bounds and pairwise disjoint.
 struct Segments {
-  std::vector<int64_t> start, len, lora;
+  IndexList start, len, lora;
 };
 
 Segments ReadSegments(const at::Tensor& b_seq_start_loc,
@@ -593,10 +597,9 @@ Segments ReadSegments(const at::Tensor& b_seq_start_loc,
 // ranges one after another, so each adapter's weights are read once per call
 // however its tokens are split. (vLLM's CPU runner also sends decode steps
 // through sgmv, one single-token segment per request.)
-void SegmentGroups(const Segments& s, int64_t num_adapters,
-                   std::vector<Group>* groups, std::vector<int64_t>* tokens,
-                   std::vector<int64_t>* no_lora) {
-  std::vector<int64_t> starts(num_adapters + 1, 0);
+void SegmentGroups(const Segments& s, int64_t num_adapters, GroupList* groups,
+                   IndexList* tokens, IndexList* no_lora) {
+  IndexList starts(num_adapters + 1, 0);
   for (size_t i = 0; i < s.start.size(); ++i) {
     if (s.lora[i] >= 0) {
       starts[s.lora[i] + 1] += s.len[i];
@@ -606,7 +609,7 @@ void SegmentGroups(const Segments& s, int64_t num_adapters,
   }
   std::partial_sum(starts.begin(), starts.end(), starts.begin());
   tokens->assign(starts[num_adapters], 0);
-  std::vector<int64_t> fill(starts.begin(), starts.end() - 1);
+  IndexList fill(starts.begin(), starts.end() - 1);
   for (size_t i = 0; i < s.start.size(); ++i) {
     if (s.lora[i] < 0) continue;
     int64_t* dst = tokens->data() + fill[s.lora[i]];
@@ -637,8 +640,8 @@ void SgmvShrink(const at::Tensor& inputs, const at::Tensor& lora_a_weights,
   const Segments s =
       ReadSegments(b_seq_start_loc, seq_len_tensor, lora_indices_tensor,
                    batches, inputs.size(0), w.num_adapters);
-  std::vector<Group> groups;
-  std::vector<int64_t> tokens, no_lora;
+  GroupList groups;
+  IndexList tokens, no_lora;
   SegmentGroups(s, w.num_adapters, &groups, &tokens, &no_lora);
   p.n = w.rows;
   p.scale = static_cast<float>(scaling);
@@ -665,8 +668,8 @@ void SgmvExpandSlice(const at::Tensor& inputs, const at::Tensor& lora_b_weights,
   const Segments s =
       ReadSegments(b_seq_start_loc, seq_len_tensor, lora_indices_tensor,
                    batches, inputs.size(0), w.num_adapters);
-  std::vector<Group> groups;
-  std::vector<int64_t> tokens, no_lora;
+  GroupList groups;
+  IndexList tokens, no_lora;
   SegmentGroups(s, w.num_adapters, &groups, &tokens, &no_lora);
   p.col0 = slice_offset;
   p.n = std::min(w.rows, slice_size);
@@ -719,8 +722,8 @@ void DispatchBgmvLowLevel(const at::Tensor& y, const at::Tensor& x,
                              std::numeric_limits<int64_t>::min(),
                              wv.num_adapters - 1, " (negative skips the row)");
   for (int64_t& i : indices) i = std::max<int64_t>(i, -1);
-  std::vector<Group> groups;
-  std::vector<int64_t> tokens, no_lora;
+  GroupList groups;
+  IndexList tokens, no_lora;
   GroupByAdapter(indices, wv.num_adapters, &groups, &tokens, &no_lora);
   p.col0 = y_offset;
   p.n = h_out;
