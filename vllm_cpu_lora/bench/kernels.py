@@ -830,20 +830,25 @@ def measure_interleaved(
     sample_s: float,
     max_rounds: int = 200,
     first_call_s: dict[str, float] | None = None,
+    settle_s: float = 5e-3,
 ) -> dict[str, dict]:
     """Median seconds per call of each callable, measured round-robin.
 
     Each round takes one sample of every callable (the order rotates from
     round to round); a sample is a loop of calls lasting about sample_s,
-    preceded by one untimed call for the fast ones so their working set is
-    as hot as in steady state. Rounds stop once budget_s is spent (at least
-    7 rounds, 3 when one round alone takes a good part of the budget).
+    preceded by untimed calls of the same callable for at least settle_s
+    (one at least), so that it is timed in its own steady state: its
+    working set hot, and what the previous callable left behind gone (a
+    reference call writes tens of MB, whose write-backs slow whatever runs
+    in the next few milliseconds). Rounds stop once budget_s is spent (at
+    least 7 rounds, 3 when one round alone takes a good part of the budget).
 
     Args:
         calls: the callables, already called once (warm).
         budget_s: time to spend on rounds once the minimum is reached.
         sample_s: duration of one sample.
         max_rounds: the most rounds.
+        settle_s: least duration of the untimed calls before a sample.
         first_call_s: how long a first call took; a callable slower than
             50 ms is sized from it instead of a second warm-up call.
 
@@ -869,7 +874,9 @@ def measure_interleaved(
             shift = rounds % len(names)
             for name in names[shift:] + names[:shift]:
                 once, count = inner[name]
-                if once < 5e-3:
+                settle = time.perf_counter() + settle_s
+                calls[name]()
+                while time.perf_counter() < settle:
                     calls[name]()
                 samples[name].append(_time_calls(calls[name], count))
             rounds += 1
