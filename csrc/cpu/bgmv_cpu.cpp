@@ -375,11 +375,21 @@ void Run(const Product& p, c10::ArrayRef<Group> groups,
   int64_t m_blocks = 0;
   for (const Group& g : groups)
     m_blocks += (g.token_count + kMBlock - 1) / kMBlock;
-  int64_t n_block = pack ? std::min<int64_t>(p.n, 512) : p.n;
+  // Expand items span as many columns as keep their packed weights (at
+  // most 4k bytes a column) within about half of L2 while the item's token
+  // tiles sweep them: each output row is then written in long runs, which
+  // the hardware prefetchers follow (with 512 columns, 64 rows advanced in
+  // 1 KB steps: a T=256 rank-8 expand into 11008 columns ran 1.4x slower).
+  constexpr int64_t kAlign = 64;
+  constexpr int64_t kPackBytes = int64_t{1} << 20;
+  int64_t n_block = p.n;
+  if (pack) {
+    n_block = std::min(
+        p.n, std::max<int64_t>(512, kPackBytes / (4 * k) / kAlign * kAlign));
+  }
   if (parallel && pack) {
     // Expand: halve the column blocks until there are a few items per
     // thread.
-    constexpr int64_t kAlign = 64;
     while (m_blocks * ((p.n + n_block - 1) / n_block) < 4 * threads &&
            n_block > kAlign) {
       n_block = std::max(kAlign, (n_block / 2 + kAlign - 1) / kAlign * kAlign);
