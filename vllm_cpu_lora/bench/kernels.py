@@ -1205,8 +1205,10 @@ def write_markdown(
         "(vLLM's per-token gather); grouped = pure torch in this script "
         "(tokens grouped by adapter, one `torch.mm` per adapter in a Python "
         "loop).",
-        "- Interleaved rounds, order rotating, medians over rounds after "
-        "warm-up; each case checked once against the reference first.",
+        "- Interleaved rounds, order rotating, medians over rounds; each "
+        "sample follows at least 5 ms of untimed calls of the same "
+        "implementation (its steady state); each case checked once against "
+        "the reference first.",
         "- bgmv (decode): x bf16 [T, 4096], A bf16 [L, r, 4096] -> fp32 "
         "[T, r]; expand y fp32 [T, r], B bf16 [L, N, r] -> bf16 [T, N] with "
         "add_inputs; a random adapter per token.",
