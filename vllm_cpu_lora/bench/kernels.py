@@ -862,7 +862,7 @@ def measure_interleaved(
         once = first_call_s.get(name, 0.0)
         if once < 0.05:
             once = _time_calls(calls[name], 1)  # Second warm-up, and a size.
-        inner[name] = (once, max(1, min(100_000, int(sample_s / once))))
+        inner[name] = max(1, min(100_000, int(sample_s / once)))
     samples: dict[str, list[float]] = {name: [] for name in names}
     gc_was_enabled = gc.isenabled()
     gc.disable()
@@ -873,7 +873,7 @@ def measure_interleaved(
         while True:
             shift = rounds % len(names)
             for name in names[shift:] + names[:shift]:
-                once, count = inner[name]
+                count = inner[name]
                 settle = time.perf_counter() + settle_s
                 calls[name]()
                 while time.perf_counter() < settle:
@@ -894,7 +894,7 @@ def measure_interleaved(
         name: {
             "median_s": statistics.median(samples[name]),
             "rounds": len(samples[name]),
-            "calls_per_sample": inner[name][1],
+            "calls_per_sample": inner[name],
         }
         for name in names
     }
