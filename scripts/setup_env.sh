@@ -13,7 +13,7 @@ fi
 . .venv/bin/activate
 
 # Always pin torch: an unpinned torch pulls a multi-GB CUDA build.
-pip install -q "torch==2.13.0" setuptools wheel ninja \
+pip install -q -c constraints.txt torch setuptools wheel ninja \
   pytest hypothesis expecttest numpy matplotlib tqdm
 # Built in place, incrementally (ninja, objects in build/): pip's editable
 # install would rebuild everything in a temporary directory on every run.

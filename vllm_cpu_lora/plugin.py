@@ -16,6 +16,13 @@ It changes nothing:
 
 If `VLLM_PLUGINS` is set, it is an allow-list: name `vllm_cpu_lora` in it.
 
+The vLLM releases it is tested with are `vllm_compat.TESTED_VLLM`. On
+another release it logs one warning naming them and still routes LoRA
+through its wrapper,
+which works wherever vLLM's `PunicaWrapperCPU` keeps its methods (it does
+across 0.32 and 0.33); if the wrapper cannot even be imported, vLLM's own
+path stays, as when the extension cannot be loaded.
+
 On vLLM's CPU platform it also asks Linux for the AMX tile state in each
 process, whatever `VLLM_CPU_LORA_DISABLE` says: vLLM 0.33's CPU kernels use
 AMX tiles (bf16) without asking, and a process that has not asked dies with
@@ -25,6 +32,8 @@ request changes no result; it is a no-op on CPUs without AMX.
 
 import logging
 import os
+
+from vllm_cpu_lora import vllm_compat
 
 __all__ = ["WRAPPER", "register"]
 
@@ -40,6 +49,18 @@ _done = False
 
 def _disabled() -> bool:
     return os.environ.get(DISABLE_ENV, "0").strip() not in ("", "0")
+
+
+def _warn_if_untested(version: str) -> None:
+    """Warns if vLLM `version` is not one the suite runs on."""
+    if not vllm_compat.is_tested(version):
+        tested = ", ".join(f"{a}.{b}" for a, b in vllm_compat.TESTED_VLLM)
+        logger.warning(
+            "vllm_cpu_lora: tested with vLLM %s, this is vLLM %s; LoRA still "
+            "runs through vllm_cpu_lora where vLLM's APIs it uses exist",
+            tested,
+            version,
+        )
 
 
 def _request_amx_tiles() -> None:
@@ -87,6 +108,9 @@ def register() -> None:
         )
         return
 
+    import vllm
+
+    _warn_if_untested(vllm.__version__)
     try:
         import vllm_cpu_lora
         from vllm_cpu_lora import punica

@@ -6,7 +6,7 @@ has the CPU build of vLLM and this package (``--quick`` for a smoke test,
 
 The model is a random-weight Llama with Llama-2-7B layer shapes (hidden 4096,
 MLP 11008, 32 heads, 32 KV heads) but only a few layers, and the small
-byte-level BPE vocabulary of `vllm_cpu_lora.demo` (so the LM head costs
+byte-level BPE vocabulary of `vllm_cpu_lora.tiny_model` (so the LM head costs
 almost nothing, as in a 32-layer model where it is a few percent). It is
 saved in bfloat16 with four random PEFT LoRA adapters (rank 16 on q, k, v,
 o, gate, up and down, non-zero A and B) in a cache folder, so reruns skip
@@ -146,7 +146,7 @@ def settings_for(args: argparse.Namespace) -> Settings:
 
 def prompts(batch: int) -> list[str]:
     """`batch` distinct short prompts from the demo's sentences."""
-    from vllm_cpu_lora.demo import PROMPTS
+    from vllm_cpu_lora.tiny_model import PROMPTS
 
     return [f"{i}. {PROMPTS[i % len(PROMPTS)]}" for i in range(batch)]
 
@@ -171,7 +171,7 @@ def build_llama(path: pathlib.Path, num_layers: int, seed: int = 0) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from vllm_cpu_lora.demo import build_tiny_llama
+    from vllm_cpu_lora.tiny_model import build_tiny_llama
 
     path.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="vcl_tok_") as tmp:
@@ -212,7 +212,7 @@ def ensure_models(num_layers: int) -> dict[str, Any]:
     Returns:
         ``{"base": path, "adapters": {name: path}, "built_s": seconds}``.
     """
-    from vllm_cpu_lora.demo import build_lora_adapter
+    from vllm_cpu_lora.tiny_model import build_lora_adapter
 
     root = _cache_root() / f"llama7b-shapes-{num_layers}l-v{_MODEL_VERSION}"
     base = root / "base"
@@ -403,7 +403,7 @@ class Child:
         spec: dict[str, Any],
         workdir: pathlib.Path,
     ) -> None:
-        from vllm_cpu_lora.demo import child_env
+        from vllm_cpu_lora.offline import child_env
 
         self.config = config
         self.replies = workdir / f"{config.name}-replies"

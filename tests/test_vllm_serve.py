@@ -1,0 +1,97 @@
+"""The main job, `vllm serve` with LoRA, as the demo runs it, checked.
+
+One fp32 server session of `vllm_cpu_lora.demo.serve_and_query`: concurrent
+completions for the base model and two adapters given as --lora-modules,
+then a third adapter loaded at run time, used and unloaded. Checked:
+
+* every completion's tokens are Hugging Face transformers + peft's greedy
+  tokens for its model (each the argmax of HF's logits before it), and the
+  adapters change the output;
+* the server log shows our plug-in and its ISA path;
+* the runtime-loaded adapter serves its own tokens, and once unloaded a
+  request for it gets vLLM's 404;
+* no process of the server is left after it stopped.
+
+Needs CPU vLLM, the openai client, transformers and peft (scripts/test_vllm.sh);
+skipped without them.
+"""
+
+import importlib.util
+
+import pytest
+
+_NEEDED = ("vllm", "openai", "transformers", "peft")
+_missing = [name for name in _NEEDED if importlib.util.find_spec(name) is None]
+if _missing:
+    pytest.skip(
+        f"needs {', '.join(_missing)}: scripts/test_vllm.sh sets them up",
+        allow_module_level=True,
+    )
+
+from vllm_cpu_lora import demo, server, tiny_model  # noqa: E402
+
+PROMPTS = tiny_model.PROMPTS[:3]
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def session(tmp_path_factory):
+    work = tmp_path_factory.mktemp("vllm_serve")
+    base, adapters = demo.build_models(work)
+    result = demo.serve_and_query(
+        base,
+        adapters,
+        work=work,
+        dtype="float32",
+        prompts=PROMPTS,
+        max_tokens=MAX_TOKENS,
+    )
+    return base, adapters, result
+
+
+def _check_against_hf(base, adapters, results):
+    names = sorted({r["model"] for r in results} - {demo.BASE_MODEL})
+    sequences = [
+        (
+            r["prompt_token_ids"],
+            r["token_ids"],
+            None if r["model"] == demo.BASE_MODEL else r["model"],
+        )
+        for r in results
+    ]
+    hf = tiny_model.hf_next_token_logits(
+        base, {name: adapters[name] for name in names}, sequences
+    )
+    for r, logits in zip(results, hf, strict=True):
+        assert len(r["token_ids"]) == MAX_TOKENS
+        assert r["token_ids"] == logits.argmax(-1).tolist(), r
+
+
+def test_concurrent_requests_match_hf(session):
+    base, adapters, result = session
+    burst = result["burst"]
+    assert len(burst) == 3 * len(PROMPTS)
+    _check_against_hf(base, adapters, burst)
+    first = {
+        r["model"]: r["token_ids"] for r in burst if r["prompt"] == PROMPTS[0]
+    }
+    assert len({tuple(t) for t in first.values()}) == 3, first
+
+
+def test_server_log_names_our_wrapper_and_isa(session):
+    lines = session[2]["log_lines"]
+    assert lines, "the server did not log the vllm_cpu_lora plug-in"
+    assert all("PunicaWrapperCPULoRA" in line for line in lines)
+    assert all("ISA path" in line for line in lines)
+
+
+def test_runtime_adapter_serves_and_unloads(session):
+    base, adapters, result = session
+    _check_against_hf(base, adapters, result["runtime"])
+    status, text = result["after_unload"]
+    assert status == 404, (status, text)
+    assert "adapter-3" in text
+
+
+def test_no_server_process_is_left(session):
+    assert server.live_group_members(session[2]["pgid"]) == []
