@@ -274,15 +274,29 @@ def demo(base: Path, adapters: dict[str, str], args: argparse.Namespace) -> int:
                 f"  {label:>12}: {mine:8.1f} vs {other:8.1f} "
                 f"({mine / other:.2f}x)"
             )
-        print(f"identical tokens: {same} of {len(ours)}", end="")
-        if same < len(ours) and args.dtype != "float32":
-            print(
-                " (the paths round bf16 differently and greedy decoding "
-                "follows the first difference; --dtype float32 agrees exactly)"
-            )
-        else:
-            print()
+        print(f"identical tokens: {same} of {len(ours)}")
+        if same < len(ours):
+            print(_why_tokens_differ(args.dtype))
     return 0
+
+
+def _why_tokens_differ(dtype: str) -> str:
+    import vllm
+
+    from vllm_cpu_lora import vllm_compat
+
+    if vllm_compat.torch_ops_misapply_no_lora(vllm.__version__):
+        return (
+            f"(vLLM {vllm.__version__}'s own ops add the last slot's adapter "
+            "to base-model rows batched with adapter rows: see the mixed "
+            "batch; vLLM 0.33 fixed it)"
+        )
+    if dtype != "float32":
+        return (
+            "(the paths round bf16 differently and greedy decoding follows "
+            "the first difference; --dtype float32 agrees exactly)"
+        )
+    return "(float32 should agree exactly: this is a bug)"
 
 
 def main() -> int:
