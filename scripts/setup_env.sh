@@ -14,7 +14,7 @@ fi
 
 # Always pin torch: an unpinned torch pulls a multi-GB CUDA build.
 pip install -q -c constraints.txt torch setuptools wheel ninja \
-  pytest hypothesis expecttest numpy matplotlib tqdm
+  pytest hypothesis expecttest numpy matplotlib tqdm ruff
 # Built in place, incrementally (ninja, objects in build/): pip's editable
 # install would rebuild everything in a temporary directory on every run.
 # A .pth file puts the checkout on the venv's path instead.
