@@ -10,13 +10,19 @@ then a third adapter loaded at run time, used and unloaded. Checked:
 * the server log shows our plug-in and its ISA path;
 * the runtime-loaded adapter serves its own tokens, and once unloaded a
   request for it gets vLLM's 404;
-* no process of the server is left after it stopped.
+* no process of the server is left after it stopped, also when the demo
+  gets Ctrl-C (SIGINT) or SIGTERM mid-burst, or when the server fails to
+  start (an adapter path that does not exist).
 
 Needs CPU vLLM, the openai client, transformers and peft (scripts/test_vllm.sh);
 skipped without them.
 """
 
 import importlib.util
+import os
+import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -95,3 +101,48 @@ def test_runtime_adapter_serves_and_unloads(session):
 
 def test_no_server_process_is_left(session):
     assert server.live_group_members(session[2]["pgid"]) == []
+
+
+def _served_groups() -> set[int]:
+    pids = subprocess.run(
+        ["pgrep", "-f", "vllm serve"], capture_output=True, text=True
+    ).stdout.split()
+    return {os.getpgid(int(pid)) for pid in pids}
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_interrupting_the_demo_stops_the_server(tmp_path, sig):
+    before = _served_groups()
+    demo_proc = subprocess.Popen(
+        [sys.executable, "-m", "vllm_cpu_lora.demo", "--workdir", tmp_path]
+        + ["--max-tokens", "200"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        # As from a terminal: SIGINT not ignored (background shells do).
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    output = []
+    for line in demo_proc.stdout:
+        output.append(line)
+        if "concurrent completions" in line:
+            break
+    groups = _served_groups() - before
+    assert len(groups) == 1, "".join(output)
+    demo_proc.send_signal(sig)
+    output.append(demo_proc.stdout.read())
+    assert demo_proc.wait(timeout=120) == 128 + sig, "".join(output)
+    assert server.live_group_members(groups.pop()) == []
+
+
+def test_a_server_that_fails_to_start_leaves_nothing(tmp_path):
+    base, _ = demo.build_models(tmp_path)
+    failing = server.VllmServer(
+        base,
+        adapters={"adapter-1": str(tmp_path / "no-such-adapter")},
+        log_path=tmp_path / "serve.log",
+        dtype="float32",
+    )
+    with pytest.raises(server.ServerError, match="exited with"):
+        failing.start()
+    assert server.live_group_members(failing.pgid) == []

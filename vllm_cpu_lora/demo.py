@@ -262,6 +262,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="with --offline: also run vLLM's own CPU LoRA ops",
     )
     args = parser.parse_args(argv)
+    # Progress shows as it happens, also through a pipe or into a file.
+    sys.stdout.reconfigure(line_buffering=True)
     # SIGTERM stops the server too, as Ctrl-C does.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
