@@ -27,7 +27,7 @@ echo "== tests"
 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py \
   tests/test_ops.py tests/test_bad_inputs.py 2>&1 | tail -15 | tee "$out/tests.txt"
 echo "== kernel benchmark, all cores"
-timeout "${BENCH_LIMIT_S:-220}" python3 -m vllm_cpu_lora.bench.kernels \
+timeout "${BENCH_LIMIT_S:-220}" python3 -m benchmarks.kernels \
   --threads all --out "$out" >"$out/bench.log" 2>&1
 echo "benchmark rc=$?"
 sed -n '/^## Summary/,$p' "$out/ops.md" 2>/dev/null | head -40

@@ -12,7 +12,7 @@
 #      (tracked and untracked, not ignored, files) kept in the cache, never
 #      in the checkout, whose in-place extension belongs to the main .venv;
 #      it installs with --no-deps, since our pyproject pins torch==2.13.0;
-#   3. runs `python -P -m vllm_cpu_lora.bench.ipex` there, from the checkout
+#   3. runs `python -P -m benchmarks.ipex` there, from the checkout
 #      root, which writes ipex.md, ipex.json and ipex.png to
 #      benchmarks/results (benchmarks/results/quick with --quick).
 # A step that cannot work here says why, writes that into ipex.md and
@@ -233,7 +233,7 @@ HASH=$(cd "$STAGE" && find . -type f -print0 | sort -z | xargs -0 sha256sum |
   sha256sum | cut -c1-16)
 BUILT="$VENV/.vcl-built-from"
 installed() {
-  (cd "$BUILD_ROOT" && "$PY" -c 'import vllm_cpu_lora.bench.ipex') 2>/dev/null
+  (cd "$BUILD_ROOT" && "$PY" -c 'import vllm_cpu_lora') 2>/dev/null
 }
 if [[ -f "$BUILT" && "$(cat "$BUILT")" == "$HASH" && -d "$SRC" ]] && installed
 then
@@ -263,10 +263,15 @@ export VLLM_CPU_LORA_BUILD_NOTE="the working tree at $COMMIT$DIRTY$PATCHED"
 
 # --- 3. The comparison --------------------------------------------------------
 # -P: the checkout's own vllm_cpu_lora (built for the main .venv's torch)
-# must not shadow the one installed in the side environment.
-log "running python -P -m vllm_cpu_lora.bench.ipex $*"
+# must not shadow the one installed in the side environment; the
+# checkout's benchmarks/ comes through a folder that holds only it.
+BENCH_PATH="$BUILD_ROOT/benchmarks-only"
+rm -rf "$BENCH_PATH"
+mkdir -p "$BENCH_PATH"
+ln -s "$REPO/benchmarks" "$BENCH_PATH/benchmarks"
+log "running python -P -m benchmarks.ipex $*"
 rc=0
-heavy "$PY" -P -m vllm_cpu_lora.bench.ipex "$@" || rc=$?
+PYTHONPATH="$BENCH_PATH" heavy "$PY" -P -m benchmarks.ipex "$@" || rc=$?
 case "$rc" in
   0) log "done: $OUT_DIR/ipex.md" ;;
   2) log "IPEX is not usable here; the reason is in $OUT_DIR/ipex.md" ;;

@@ -1,4 +1,4 @@
-"""``python -m vllm_cpu_lora.bench``: the performance report, one command.
+"""``python -m benchmarks``: the performance report, one command.
 
 By default runs the kernel part (a few minutes, with a progress bar); flags
 add the long parts. Each part writes ``<part>.md``, ``.json`` and ``.png``
@@ -23,7 +23,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-from vllm_cpu_lora.bench import common
+from benchmarks import common
 
 
 def _vllm_python() -> str | None:
@@ -37,7 +37,7 @@ def _vllm_python() -> str | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m vllm_cpu_lora.bench",
+        prog="python -m benchmarks",
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=__doc__.split("\n\n", 1)[1],
@@ -57,11 +57,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     status = 0
 
     if not args.no_kernels:
-        from vllm_cpu_lora.bench import kernels
+        from benchmarks import kernels
 
         status |= kernels.main(common_args)
     if args.layer or args.all:
-        from vllm_cpu_lora.bench import layer
+        from benchmarks import layer
 
         status |= layer.main(common_args)
     if args.vllm or args.all:
@@ -74,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             status |= 1
         else:
-            cmd = [python, "-m", "vllm_cpu_lora.bench.vllm_e2e", *common_args]
+            cmd = [python, "-m", "benchmarks.vllm_e2e", *common_args]
             status |= subprocess.call(cmd)
     if args.ipex or args.all:
         script = pathlib.Path("scripts") / "bench_ipex.sh"
