@@ -42,7 +42,7 @@ build=""
 # setup.py reuses the objects of .venv's in-place build (seconds); pip wheel
 # compiles everything again (minutes). build/lib is only the wheel's staging
 # area: emptied, so that no file the package no longer has gets in.
-rm -rf build/lib
+rm -rf build/lib.*
 .venv/bin/python setup.py -q bdist_wheel -d "$wheels" >/dev/null 2>&1
 wheel="$(find "$wheels" -name 'vllm_cpu_lora-*.whl')"
 log "installing it and the test tools into $venv"
