@@ -29,6 +29,7 @@ if importlib.util.find_spec("vllm") is None:
     )
 
 import vllm  # noqa: E402
+from oracle import VLLM_OPS  # noqa: E402
 from vllm.lora.layers import LoRAMapping  # noqa: E402
 from vllm.lora.ops import torch_ops  # noqa: E402
 from vllm.lora.punica_wrapper import punica_cpu  # noqa: E402
@@ -38,14 +39,6 @@ from vllm_cpu_lora import punica, reference, vllm_compat  # noqa: E402
 
 VLLM_MISAPPLIES_NO_LORA = vllm_compat.torch_ops_misapply_no_lora(
     vllm.__version__
-)
-OPS = (
-    "bgmv_shrink",
-    "bgmv_expand",
-    "bgmv_expand_slice",
-    "sgmv_shrink",
-    "sgmv_expand",
-    "sgmv_expand_slice",
 )
 
 MAX_LORAS = 4
@@ -97,7 +90,7 @@ def _vllm_wrapper_on_correct_ops(monkeypatch):
     """vLLM's wrapper on vLLM 0.33's algorithm where its ops lack the fix
     (see module doc)."""
     if VLLM_MISAPPLIES_NO_LORA:
-        for name in OPS:
+        for name in VLLM_OPS:
             monkeypatch.setattr(punica_cpu, name, getattr(reference, name))
 
 
