@@ -221,14 +221,16 @@ assert not bad, f"{bad} installed: transformers would fail to import"
 
 
 def verify(venv: Venv) -> None:
-    try:
-        venv.output(_VERIFY, *UNUSED_MISMATCHED)
-    except InstallError:
-        raise InstallError(
-            f"vLLM is installed in {venv.path} but does not work on CPU: "
-            f"run {venv.python} -c 'import vllm.platforms as p; "
-            "print(p.current_platform)' to see why"
-        ) from None
+    """Raises unless vLLM imports, sees a CPU platform and the mismatched
+    extras are absent."""
+    proc = subprocess.run(
+        [venv.python, "-c", _VERIFY, *UNUSED_MISMATCHED],
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode:
+        why = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise InstallError(f"vLLM in {venv.path} does not work on CPU: {why}")
 
 
 def install_wheel(venv: Venv) -> None:
