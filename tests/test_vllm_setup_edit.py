@@ -1,11 +1,12 @@
 """The source route's edit of vLLM's setup.py, on the real setup.py.
 
 scripts/install_vllm_cpu.py builds only the vLLM extension a CPU loads by
-editing the x86 branch of setup.py (scripts/vllm_setup_edit.py). For each
-choice (AMX/AVX512-BF16 `_C`, `_C_AVX512`, `_C_AVX2`) the edited file must
-parse, list exactly that extension on x86, and leave the other branches
-(aarch64 and the rest, which build `_C`) as they were. The sdist comes from
-the installer's cache, downloaded (47 MB, sha256-checked) when missing.
+editing the x86 branch of setup.py (scripts/vllm_setup_edit.py, applied by
+scripts/vllm_install/source_route.py). For each choice (AMX/AVX512-BF16
+`_C`, `_C_AVX512`, `_C_AVX2`) the edited file must parse, list exactly that
+extension on x86, and leave the other branches (aarch64 and the rest, which
+build `_C`) as they were. The sdist comes from the installer's cache,
+downloaded (47 MB, sha256-checked) when missing.
 """
 
 import ast
@@ -17,13 +18,13 @@ import pytest
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
-import install_vllm_cpu as installer  # noqa: E402
 import vllm_setup_edit  # noqa: E402
+from vllm_install import common, source_route  # noqa: E402
 
 
-@pytest.fixture(scope="module", params=sorted(installer.SDISTS))
+@pytest.fixture(scope="module", params=sorted(source_route.SDISTS))
 def setup_py(request) -> str:
-    sdist = installer.download(installer.SDISTS[request.param])
+    sdist = common.download(source_route.SDISTS[request.param])
     with tarfile.open(sdist) as tar:
         member = f"vllm-{request.param}/setup.py"
         return tar.extractfile(member).read().decode()
@@ -65,10 +66,10 @@ def test_build_only_refuses_a_setup_py_of_another_shape():
 
 
 def test_a_download_with_another_hash_is_refused(tmp_path, monkeypatch):
-    monkeypatch.setattr(installer, "CACHE", tmp_path / "cache")
+    monkeypatch.setattr(common, "CACHE", tmp_path / "cache")
     served = tmp_path / "vllm-0.0.0.tar.gz"
     served.write_bytes(b"not the pinned file")
-    pinned = installer.Artifact(served.as_uri(), "0" * 64)
-    with pytest.raises(installer.InstallError, match="expected 0000"):
-        installer.download(pinned)
+    pinned = common.Artifact(served.as_uri(), "0" * 64)
+    with pytest.raises(common.InstallError, match="expected 0000"):
+        common.download(pinned)
     assert not list((tmp_path / "cache").rglob("vllm-*"))
