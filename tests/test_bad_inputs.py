@@ -12,11 +12,15 @@ crash shows up as a test failure instead of killing the test run.
 Entries for known kernel bugs may carry `bug=` (xfail, strict, with the
 bug as the reason); if the bug is undefined behaviour, also `ub=True`, which
 skips them under scripts/sanitize.sh, where UBSan would stop the whole run.
-None do now: the bugs this table found (overflowing bounds checks, the ISA
-variable checked after writing or not at all, aliasing through non-dense
-views, mixed CPU/meta calls running the no-op fake kernel) were fixed in
-45abd87. The overflow entries keep their outputs inside larger buffers, so
-that a regression writes into memory the test owns and fails cleanly.
+None do now: the bugs this table found were fixed, and these entries fail
+if one comes back (docs/validation.md says how each was fixed):
+`slice_overflow` and `y_offset_overflow` (bounds checks that overflowed
+int64), `isa_unknown` and `isa_unknown_no_lora` (the ISA variable checked
+after writing, or not at all), `alias_output_is_inputs_non_dense` (aliasing
+through non-dense views), `index_on_meta` and `starts_on_meta` (mixed
+CPU/meta calls running the no-op fake kernel). The overflow entries keep
+their outputs inside larger buffers, so that a regression writes into
+memory the test owns and fails cleanly.
 """
 
 import dataclasses
