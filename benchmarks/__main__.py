@@ -2,7 +2,9 @@
 
 By default runs the kernel part (a few minutes, with a progress bar); flags
 add the long parts. Each part writes ``<part>.md``, ``.json`` and ``.png``
-to the output folder (default: benchmarks/results of the checkout run from).
+to the output folder (default: benchmarks/results/<cpu slug> of the checkout
+run from, e.g. benchmarks/results/amd-epyc-zen3-avx2; --quick runs go to its
+quick subfolder).
 
   --layer   LoRA's share of a Llama-7B layer's time (cold adapters)
   --vllm    CPU vLLM decode tokens/s, no LoRA vs vLLM's ops vs ours; runs in
@@ -50,7 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--no-kernels", action="store_true", help="skip the kernel part"
     )
-    parser.add_argument("--out", type=pathlib.Path, default=None)
+    common.out_argument(parser)
     args = parser.parse_args(argv)
     out = args.out or common.default_out_dir(args.quick)
     common_args = ["--out", str(out)] + (["--quick"] if args.quick else [])

@@ -9,7 +9,7 @@ chose well. Every case is timed side by side in one process, interleaved,
 medians of repeats; results are ratios, never one absolute time. Needs a CPU
 with AMX (the "amx" ISA path); elsewhere it says so and exits.
 
-    python benchmarks/bench_amx.py [--out benchmarks/results/amx.md]
+    python -m benchmarks.bench_amx [--out benchmarks/results/<cpu slug>/amx.md]
 """
 
 from __future__ import annotations
@@ -18,14 +18,15 @@ import argparse
 import datetime
 import os
 import pathlib
-import platform
 import statistics
-import time
+from collections.abc import Callable
 
 import torch
 
 import vllm_cpu_lora
-from vllm_cpu_lora import ops, reference
+from benchmarks import common, machine, timing
+from benchmarks.baselines import reference
+from vllm_cpu_lora import ops
 
 _HIDDEN = 4096
 _HOUT = 4096
@@ -35,21 +36,20 @@ _TOKENS_PER_ADAPTER = (1, 2, 4, 8, 12, 16, 24, 32, 64, 128)
 _PATHS = ("amx", "avx512_bf16")
 
 
-def _median_time(fn, isa: str | None, repeats: int, inner: int) -> float:
+def _median_time(
+    fn: Callable[[], object], isa: str | None, repeats: int, inner: int
+) -> float:
+    """timing.median_time of fn on an ISA path (None: the automatic one)."""
     if isa is None:
         os.environ.pop("VLLM_CPU_LORA_ISA", None)
     else:
         os.environ["VLLM_CPU_LORA_ISA"] = isa
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        samples.append((time.perf_counter() - start) / inner)
-    return statistics.median(samples)
+    return timing.median_time(fn, repeats, inner)
 
 
-def _cases(tokens_per_adapter: int):
+def _cases(
+    tokens_per_adapter: int,
+) -> list[tuple[str, Callable[[], None], Callable[[], None]]]:
     """(name, ours, reference) callables for shrink and expand, bf16."""
     gen = torch.Generator().manual_seed(tokens_per_adapter)
     batch = tokens_per_adapter * _ADAPTERS
@@ -74,24 +74,20 @@ def _cases(tokens_per_adapter: int):
     ]
 
 
-def _format_row(row) -> str:
+def _format_row(row: tuple[int, str, float, float, float]) -> str:
+    """A markdown row of the table."""
     tpa, name, ratio, auto, ref = row
     return f"| {tpa} | {name} | {ratio:.2f} | {auto:.2f} | {ref:.0f}x |"
 
 
-def _cpu_name() -> str:
-    for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.machine()
-
-
 def main() -> None:
+    """Times the table's cases, prints it and writes it (--out)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--out",
         type=pathlib.Path,
-        default=pathlib.Path(__file__).parent / "results" / "amx.md",
+        default=None,
+        help="default: amx.md in the results folder of this CPU",
     )
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument(
@@ -153,7 +149,8 @@ def main() -> None:
     lines = [
         "# AMX vs AVX512-BF16 crossover",
         "",
-        f"Date: {datetime.date.today().isoformat()}; CPU: {_cpu_name()}; "
+        f"Date: {datetime.date.today().isoformat()}; "
+        f"CPU: {machine.cpu_model()}; "
         f"torch {torch.__version__}; threads: {torch.get_num_threads()}; "
         f"paths: {vllm_cpu_lora.supported_isas()}.",
         "",
@@ -173,9 +170,10 @@ def main() -> None:
         + ", ".join(f"{op}: {tpa}" for op, tpa in crossover.items()),
         "",
     ]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("\n".join(lines))
-    print(f"wrote {args.out}")
+    out = args.out or common.default_out_dir() / "amx.md"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

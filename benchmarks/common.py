@@ -1,19 +1,31 @@
-"""What the benchmark parts share: where results go, where builds go, the
-command line of the parts that time both thread counts."""
+"""What the benchmark parts share: where results go, progress output, and
+the command line of the parts that time both thread counts.
+
+``python -m benchmarks.common [--quick]`` prints the default results folder
+(scripts/bench_ipex.sh asks it, so that the rule lives in one place); it
+needs only the standard library.
+"""
 
 from __future__ import annotations
 
 import argparse
-import os
 import pathlib
-from collections.abc import Sequence
+import sys
+from collections.abc import Iterable, Sequence
+from typing import TypeVar
+
+from benchmarks import machine
+
+_T = TypeVar("_T")
 
 
 def default_out_dir(quick: bool = False) -> pathlib.Path:
-    """benchmarks/results of the checkout run from, else ./bench-results.
+    """benchmarks/results/<cpu slug> of the checkout run from.
 
-    ``--quick`` runs go to a ``quick`` subfolder so that they never replace
-    the full results the README links.
+    Outside a checkout, ./bench-results/<cpu slug>. Each CPU has its own
+    folder (``machine.cpu_slug``), so that one machine's run never replaces
+    another's; ``--quick`` runs go to a ``quick`` subfolder of it, so that
+    they never replace the full results the README links.
     """
     repo_results = pathlib.Path.cwd() / "benchmarks" / "results"
     base = (
@@ -21,21 +33,11 @@ def default_out_dir(quick: bool = False) -> pathlib.Path:
         if repo_results.parent.is_dir()
         else (pathlib.Path.cwd() / "bench-results")
     )
+    base /= machine.cpu_slug()
     return base / "quick" if quick else base
 
 
-def build_dir(name: str) -> pathlib.Path:
-    """A cache folder for code compiled at run time (outside the package)."""
-    root = pathlib.Path(
-        os.environ.get("VLLM_CPU_LORA_CACHE")
-        or pathlib.Path.home() / ".cache" / "vllm-cpu-lora"
-    )
-    path = root / "bench-build" / name
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
-def progress(items, desc: str):
+def progress(items: Iterable[_T], desc: str) -> Iterable[_T]:
     """items wrapped in a tqdm progress bar (on stderr), if tqdm is there."""
     try:
         from tqdm import tqdm
@@ -54,6 +56,17 @@ def say(text: str) -> None:
         tqdm.write(text)
 
 
+def out_argument(parser: argparse.ArgumentParser) -> None:
+    """Adds --out DIR (default: default_out_dir)."""
+    parser.add_argument(
+        "--out",
+        type=pathlib.Path,
+        default=None,
+        help="output folder (default benchmarks/results/<cpu slug>, with "
+        "--quick its quick subfolder)",
+    )
+
+
 def parse_args(
     argv: Sequence[str] | None, description: str, quick_help: str
 ) -> argparse.Namespace:
@@ -66,14 +79,15 @@ def parse_args(
         default="both",
         help="all threads (torch.get_num_threads()), 1, or both (default)",
     )
-    parser.add_argument(
-        "--out",
-        type=pathlib.Path,
-        default=None,
-        help="output folder (default benchmarks/results, with --quick "
-        "benchmarks/results/quick)",
-    )
+    out_argument(parser)
     return parser.parse_args(argv)
+
+
+def out_dir(args: argparse.Namespace) -> pathlib.Path:
+    """The output folder --out / --quick ask for, created."""
+    path = args.out or default_out_dir(args.quick)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 def thread_counts(choice: str, all_threads: int) -> list[int]:
@@ -82,9 +96,5 @@ def thread_counts(choice: str, all_threads: int) -> list[int]:
     return list(dict.fromkeys(counts[choice]))
 
 
-def load_average() -> float:
-    """1-minute load average (NaN where the OS has none)."""
-    try:
-        return os.getloadavg()[0]
-    except OSError:
-        return float("nan")
+if __name__ == "__main__":
+    print(default_out_dir("--quick" in sys.argv[1:]))

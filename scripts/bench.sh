@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The README's main command: set up (scripts/setup_env.sh), then run the
 # kernel benchmark (ours vs vLLM's torch ops vs grouped torch vs the measured
-# bound), print the table and write benchmarks/results/. Flags go to
+# bound), print the table and write benchmarks/results/<cpu slug>/. Flags go to
 # python -m benchmarks (e.g. --quick).
 set -euo pipefail
 cd "$(dirname "$0")/.."

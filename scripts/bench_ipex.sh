@@ -14,7 +14,7 @@
 #      it installs with --no-deps, since our pyproject pins torch==2.13.0;
 #   3. runs `python -P -m benchmarks.ipex` there, from the checkout
 #      root, which writes ipex.md, ipex.json and ipex.png to
-#      benchmarks/results (benchmarks/results/quick with --quick).
+#      benchmarks/results/<cpu slug> (its quick subfolder with --quick).
 # A step that cannot work here says why, writes that into ipex.md and
 # ipex.json, and exits non-zero.
 #
@@ -58,8 +58,8 @@ heavy() {
   fi
 }
 
-# --- Where results go (the same rule as the Python module) -----------------
-OUT_DIR="$REPO/benchmarks/results"
+# --- Where results go (the Python module's rule: benchmarks.common) --------
+OUT_DIR=""
 args=("$@")
 for ((i = 0; i < ${#args[@]}; i++)); do
   case "${args[i]}" in
@@ -68,8 +68,8 @@ for ((i = 0; i < ${#args[@]}; i++)); do
     --out=*) OUT_DIR="${args[i]#--out=}" ;;
   esac
 done
-if [[ -n "${quick:-}" && "$OUT_DIR" == "$REPO/benchmarks/results" ]]; then
-  OUT_DIR="$REPO/benchmarks/results/quick"
+if [[ -z "$OUT_DIR" ]]; then
+  OUT_DIR=$(python3 -m benchmarks.common ${quick:+--quick})
 fi
 
 # Prints why, records it as the result, and exits non-zero.
