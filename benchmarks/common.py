@@ -90,6 +90,27 @@ def out_dir(args: argparse.Namespace) -> pathlib.Path:
     return path
 
 
+def start(
+    argv: Sequence[str] | None, description: str, quick_help: str
+) -> tuple[argparse.Namespace, pathlib.Path, int, list[int]]:
+    """A part's start: its arguments, output folder, and thread counts.
+
+    Returns:
+        The parsed arguments, the output folder (created), torch's thread
+        count (all threads) and the thread counts --threads asks for.
+    """
+    import torch
+
+    args = parse_args(argv, description, quick_help)
+    all_threads = torch.get_num_threads()
+    return (
+        args,
+        out_dir(args),
+        all_threads,
+        thread_counts(args.threads, all_threads),
+    )
+
+
 def thread_counts(choice: str, all_threads: int) -> list[int]:
     """The thread counts --threads both|all|1 asks for, without repeats."""
     counts = {"both": [all_threads, 1], "all": [all_threads], "1": [1]}

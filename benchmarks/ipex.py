@@ -322,13 +322,10 @@ def mark_starved(results: list[dict[str, Any]]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the comparison; 2 if IPEX is unusable, 1 if ours is wrong."""
-    args = common.parse_args(
+    started = time.perf_counter()
+    args, out_dir, all_threads, thread_counts = common.start(
         argv, __doc__.split("\n")[0], "small subset (smoke test)"
     )
-    out_dir = common.out_dir(args)
-    started = time.perf_counter()
-    all_threads = torch.get_num_threads()
-    thread_counts = common.thread_counts(args.threads, all_threads)
     ipex_ops, ipex_info = load_ipex()
     info = machine.describe_machine(all_threads)
     info["build_note"] = os.environ.get(

@@ -332,13 +332,10 @@ def run_cases(
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the kernel benchmark; 1 if a kernel failed its check."""
-    args = common.parse_args(
+    started = time.perf_counter()
+    args, out_dir, all_threads, thread_counts = common.start(
         argv, __doc__.split("\n")[0], "small subset (smoke test)"
     )
-    out_dir = common.out_dir(args)
-    started = time.perf_counter()
-    all_threads = torch.get_num_threads()
-    thread_counts = common.thread_counts(args.threads, all_threads)
     info = machine.describe_machine(all_threads)
     print(f"CPU: {info['cpu']}; flags: {' '.join(info['flags'])}")
     print(

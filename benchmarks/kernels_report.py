@@ -190,9 +190,7 @@ def markdown_lines(
         "",
         "## Machine",
         "",
-        *report.cpu_lines(m),
-        f"- torch {m['torch']}, Python {m['python']}; vllm_cpu_lora ISA "
-        f"path `{m['isa_path']}` (supported: {', '.join(m['supported_isas'])})",
+        *report.cpu_lines(m, supported=True),
         f"- 1-minute load average {m['load_average_start']:.1f} at the start, "
         f"{m['load_average_end']:.1f} at the end: other work on the cores "
         "makes the figures noisy, and multi-threaded ones unreliable (a "
@@ -267,11 +265,7 @@ def markdown_lines(
         "",
         "## Targets",
         "",
-        "```",
-        *report.target_lines(targets),
-        *(f"FAIL  correctness: {f}" for f in run.failures),
-        "```",
-        "",
+        *report.target_block(targets, run.failures),
     ]
     return lines
 

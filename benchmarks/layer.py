@@ -280,13 +280,10 @@ def run_case(
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the layer benchmark; 1 if an implementation failed its check."""
-    args = common.parse_args(
+    started = time.perf_counter()
+    args, out_dir, all_threads, thread_counts = common.start(
         argv, __doc__.split("\n")[0], "two cases (smoke test)"
     )
-    out_dir = common.out_dir(args)
-    started = time.perf_counter()
-    all_threads = torch.get_num_threads()
-    thread_counts = common.thread_counts(args.threads, all_threads)
     info = machine.describe_machine(all_threads)
     print(
         f"CPU: {info['cpu']}; torch {info['torch']}, threads "

@@ -137,8 +137,6 @@ def markdown_lines(
         "## Machine",
         "",
         *report.cpu_lines(m),
-        f"- torch {m['torch']}, Python {m['python']}; vllm_cpu_lora ISA "
-        f"path `{m['isa_path']}`",
         f"- 1-minute load average {m['load_average_start']:.1f} at the start, "
         f"{m['load_average_end']:.1f} at the end (other work on the cores "
         "adds noise to every figure, most to the 2-thread ones).",
@@ -218,11 +216,7 @@ def markdown_lines(
         "",
         "## Target",
         "",
-        "```",
-        *report.target_lines(items),
-        *(f"FAIL  correctness: {f}" for f in failures),
-        "```",
-        "",
+        *report.target_block(items, failures),
     ]
     return lines
 

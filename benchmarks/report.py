@@ -102,15 +102,31 @@ def target_lines(targets: Iterable[Target]) -> list[str]:
     return lines
 
 
+def target_block(
+    targets: Iterable[Target], failures: Iterable[str]
+) -> list[str]:
+    """The target lines and correctness failures, fenced, for markdown."""
+    return [
+        "```",
+        *target_lines(targets),
+        *(f"FAIL  correctness: {f}" for f in failures),
+        "```",
+        "",
+    ]
+
+
 def targets_json(targets: Iterable[Target]) -> list[dict[str, Any]]:
     """The targets as JSON objects."""
     return [{"name": n, "pass": ok, "detail": d} for n, ok, d in targets]
 
 
 def cpu_lines(
-    m: dict[str, Any], threads: bool = True, caches: bool = True
+    m: dict[str, Any],
+    threads: bool = True,
+    caches: bool = True,
+    supported: bool = False,
 ) -> list[str]:
-    """The markdown bullets naming the CPU, its flags and its caches."""
+    """Markdown bullets: the CPU, its flags, caches, torch and ISA path."""
     cpu = f"- CPU: {m['cpu']} ({m['logical_cpus']} logical CPUs"
     cpu += f"; torch uses {m['threads_all']} threads)" if threads else ")"
     lines = [cpu, f"- Flags: {' '.join(m['flags'])}"]
@@ -122,7 +138,13 @@ def cpu_lines(
                 for k, v in m["caches_per_instance"].items()
             )
         )
-    return lines
+    software = (
+        f"- torch {m['torch']}, Python {m['python']}; vllm_cpu_lora ISA "
+        f"path `{m['isa_path']}`"
+    )
+    if supported:
+        software += f" (supported: {', '.join(m['supported_isas'])})"
+    return [*lines, software]
 
 
 def write_json(path: pathlib.Path, obj: Any) -> None:

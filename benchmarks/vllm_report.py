@@ -180,8 +180,6 @@ def markdown_lines(
         "## Machine",
         "",
         *report.cpu_lines(m, threads=False, caches=False),
-        f"- torch {m['torch']}, Python {m['python']}; vllm_cpu_lora ISA "
-        f"path `{m['isa_path']}`",
         f"- 1-minute load average {m['load_average_start']:.1f} at the start, "
         f"{m['load_average_end']:.1f} at the end (a shared machine: other "
         "work on the cores makes the figures noisy).",
