@@ -799,7 +799,7 @@ def test_exact_integers(op, dtypes, isa):
 # The "rows" tiles of expand (few tokens per adapter, weight rows read in
 # place): ranks 4 and 8 (fp32) / 8 and 16 (bf16 pairs) put several rows in one
 # vector, 32-256 take the fixed-rank tiles, 33 the generic ones; up to
-# bgmv_params.h's RowsMaxTokens tokens per adapter, and one more.
+# tuning.h's RowsMaxTokens tokens per adapter, and one more.
 ROWS_RANKS = (4, 8, 16, 32, 33, 64, 128, 256)
 ROWS_TOKENS = (1, 2, 3, 5, 9)
 

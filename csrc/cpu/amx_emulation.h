@@ -5,9 +5,18 @@
 // fp32 denormal results; the tests use no denormals.) Tile state is per
 // thread, like the real registers. Test-only: it is slow.
 //
-// Include inside the amx_emulated ISA namespace, after <immintrin.h> (whose
-// real _tile_* macros it replaces) and before bgmv_amx.h.
+// Include in kernels_amx_emulated.cpp before bgmv_amx.h: it replaces
+// <immintrin.h>'s real _tile_* macros.
 #pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "kernel_isa_namespace.h"
+
+namespace vllm_cpu_lora::VLLM_CPU_LORA_ISA_NS {
 
 #undef _tile_loadd
 #undef _tile_stored
@@ -87,3 +96,5 @@ inline void EmuDpbf16(int c, int a, int b) {
 #define _tile_zero(t) EmuZero(t)
 #define _tile_dpbf16ps(c, a, b) EmuDpbf16(c, a, b)
 #define _tile_release() ((void)0)
+
+}  // namespace vllm_cpu_lora::VLLM_CPU_LORA_ISA_NS

@@ -1,10 +1,10 @@
 // AMX kernel for bf16 weights (bf16 inputs, or fp32 inputs with bf16
-// output, rounded to bf16 as in bgmv_impl.h), both blockings. Included inside
-// the ISA namespace after vec_avx512.h and bgmv_impl.h, by kernels_amx.cpp
-// (real tiles) and kernels_amx_emulated.cpp (amx_emulation.h).
+// output, rounded to bf16 as in bgmv_impl.h), both blockings. Included by
+// kernels_amx.cpp (real tiles) and kernels_amx_emulated.cpp (after
+// amx_emulation.h, whose tiles then replace the real ones).
 //
 // Per work item and block of 64 output columns, the weight rows are packed
-// once into VNNI pairs (the layout LoraKernel::Pack already produces: pair
+// once into VNNI pairs (the layout PackKernel::Pack already produces: pair
 // row j holds (w[c][2j], w[c][2j+1]) for 64 columns c), which is exactly the
 // B-tile layout. Tokens go 16 at a time: their rows are gathered (and rounded
 // to bf16) into a contiguous A buffer; four C tiles accumulate 16 tokens x 64
@@ -12,15 +12,28 @@
 // converted by the AVX-512 row store.
 #pragma once
 
-using AmxVec = VecAvx512<true>;
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
 
-struct alignas(64) TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <type_traits>
+
+#include "amx_tile_config.h"
+#include "bgmv_impl.h"
+#include "kernel_common.h"
+#include "kernel_interface.h"
+#include "kernel_pack.h"
+#include "tuning.h"
+#include "vec_avx512.h"
+
+#include "kernel_isa_namespace.h"
+
+namespace vllm_cpu_lora::VLLM_CPU_LORA_ISA_NS {
+
+using AmxVec = VecAvx512<true>;
 
 // Tiles 0-3: C (16 x 16 fp32); 4: A (16 tokens x 32 bf16); 5-6: B (16 pair
 // rows x 16 columns). All 16 rows of 64 bytes.
@@ -44,7 +57,7 @@ inline void ConfigureTiles() {
 // hidden size) and expand (k = rank). Needs even k (the pairs of a row).
 template <class TX, class TO>
 struct AmxSwapped {
-  using Avx = LoraKernel<AmxVec, TX, c10::BFloat16, TO>;
+  using Avx = PackKernel<AmxVec, TX, c10::BFloat16, TO>;
   using F = AmxVec::F;
   static constexpr int kTileRows = 16;
 
@@ -262,7 +275,7 @@ struct AmxSwapped {
 
 template <class TX, class TO>
 struct AmxKernel {
-  using Avx = LoraKernel<AmxVec, TX, c10::BFloat16, TO>;
+  using Avx = PackKernel<AmxVec, TX, c10::BFloat16, TO>;
   using F = AmxVec::F;
   static constexpr int kNT = Avx::kNT;  // 64 columns: four C tiles.
   static_assert(kNT == 64);
@@ -448,7 +461,7 @@ void RunAmx(const LoraArgs& a, const WorkItem* items, int64_t begin,
   WithTypes(a, [&](auto tx, auto tw, auto to) {
     using TX = decltype(tx);
     using TO = decltype(to);
-    if constexpr (LoraKernel<AmxVec, TX, decltype(tw), TO>::kPairs) {
+    if constexpr (PackKernel<AmxVec, TX, decltype(tw), TO>::kPairs) {
       AmxKernel<TX, TO>::template Run<kFallback, kPack>(a, items, begin, end);
       done = true;
     }
@@ -459,6 +472,7 @@ void RunAmx(const LoraArgs& a, const WorkItem* items, int64_t begin,
 inline IsaKernels MakeAmxKernels() {
   constexpr KernelFn kDot = &RunDot<AmxVec>;
   constexpr KernelFn kPack = &RunPack<AmxVec>;
-  return IsaKernels{&RunAmx<kDot, kPack, false>, &RunAmx<kDot, kPack, true>,
-                    AmxVec::kTileM};
+  return IsaKernels{&RunAmx<kDot, kPack, false>, &RunAmx<kDot, kPack, true>};
 }
+
+}  // namespace vllm_cpu_lora::VLLM_CPU_LORA_ISA_NS

@@ -6,14 +6,10 @@
 #pragma GCC target( \
     "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c,amx-tile,amx-bf16")
 
-namespace vllm_cpu_lora::amx {
-// In this order: vector policy, kernel templates, AMX parts.
-#include "vec_avx512.h"
-
-#include "bgmv_impl.h"
-
+#define VLLM_CPU_LORA_ISA_NS amx
 #include "bgmv_amx.h"
 
+namespace vllm_cpu_lora::amx {
 IsaKernels Kernels() { return MakeAmxKernels(); }
 }  // namespace vllm_cpu_lora::amx
 

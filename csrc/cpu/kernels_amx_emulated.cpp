@@ -6,16 +6,11 @@
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c")
 
-namespace vllm_cpu_lora::amx_emulated {
-// In this order: vector policy, kernel templates, AMX parts.
-#include "vec_avx512.h"
-
-#include "bgmv_impl.h"
-
+#define VLLM_CPU_LORA_ISA_NS amx_emulated
 #include "amx_emulation.h"
-
 #include "bgmv_amx.h"
 
+namespace vllm_cpu_lora::amx_emulated {
 IsaKernels Kernels() { return MakeAmxKernels(); }
 }  // namespace vllm_cpu_lora::amx_emulated
 

@@ -1,15 +1,14 @@
-// avx2 kernels: bgmv_impl.h instantiated with the VecAvx2 policy.
+// avx2 kernels: the kernel templates with the VecAvx2 policy.
 #include "kernels_prelude.h"
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 
-namespace vllm_cpu_lora::avx2 {
-// In this order: vector policy, kernel templates, AMX parts.
+#define VLLM_CPU_LORA_ISA_NS avx2
+#include "bgmv_impl.h"
 #include "vec_avx2.h"
 
-#include "bgmv_impl.h"
-
+namespace vllm_cpu_lora::avx2 {
 IsaKernels Kernels() { return MakeKernels<VecAvx2>(); }
 }  // namespace vllm_cpu_lora::avx2
 

@@ -1,15 +1,14 @@
-// avx512 kernels: bgmv_impl.h instantiated with the VecAvx512<false> policy.
+// avx512 kernels (no BF16): the kernel templates with VecAvx512<false>.
 #include "kernels_prelude.h"
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")
 
-namespace vllm_cpu_lora::avx512 {
-// In this order: vector policy, kernel templates, AMX parts.
+#define VLLM_CPU_LORA_ISA_NS avx512
+#include "bgmv_impl.h"
 #include "vec_avx512.h"
 
-#include "bgmv_impl.h"
-
+namespace vllm_cpu_lora::avx512 {
 IsaKernels Kernels() { return MakeKernels<VecAvx512<false>>(); }
 }  // namespace vllm_cpu_lora::avx512
 

@@ -1,19 +1,24 @@
 // Included first by every kernels_<isa>.cpp, before its `#pragma GCC target`:
-// everything here is compiled for the baseline ISA, so inline functions it
-// defines are identical in every TU (no one-definition-rule hazard).
+// every header outside this project that the kernel headers include must be
+// first included here, compiled for the baseline ISA, so that the inline
+// functions it defines are identical in every TU (no one-definition-rule
+// hazard). A new include in a kernel header belongs here too.
 #pragma once
 
 #if defined(__clang__) || !defined(__GNUC__)
 #error "kernels_<isa>.cpp use `#pragma GCC target`: build them with GCC"
 #endif
 
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <immintrin.h>
 
 #include <algorithm>
-#include <climits>
 #include <cstdint>
 #include <cstring>
 #include <memory>
 #include <type_traits>
 
-#include "bgmv_params.h"
+#include "amx_tile_config.h"
+#include "kernel_interface.h"
+#include "tuning.h"

@@ -1,12 +1,11 @@
-// Portable kernels: bgmv_impl.h instantiated with the scalar policy, built
-// with the baseline flags only.
+// Portable kernels: the kernel templates with the scalar policy, built with the
+// baseline flags only.
 #include "kernels_prelude.h"
 
-namespace vllm_cpu_lora::scalar {
-// In this order: vector policy, kernel templates, AMX parts.
+#define VLLM_CPU_LORA_ISA_NS scalar
+#include "bgmv_impl.h"
 #include "vec_scalar.h"
 
-#include "bgmv_impl.h"
-
+namespace vllm_cpu_lora::scalar {
 IsaKernels Kernels() { return MakeKernels<VecScalar>(); }
 }  // namespace vllm_cpu_lora::scalar

@@ -1,7 +1,21 @@
-// AVX2 + FMA + F16C vector policy for bgmv_impl.h: 8 fp32 lanes. Tails of
-// 16-bit types go through a small zero-padded stack buffer, so no byte past
-// the n-th element is read or written. Include only from kernels_avx2.cpp.
+// AVX2 + FMA + F16C vector policy for the kernel templates (bgmv_impl.h): 8
+// fp32 lanes. Tails of 16-bit types go through a small zero-padded stack
+// buffer, so no byte past the n-th element is read or written. Include only
+// from kernels_avx2.cpp.
 #pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "kernel_isa_namespace.h"
+
+namespace vllm_cpu_lora::VLLM_CPU_LORA_ISA_NS {
 
 struct VecAvx2 {
   static constexpr int kLanes = 8;
@@ -109,3 +123,5 @@ struct VecAvx2 {
     }
   }
 };
+
+}  // namespace vllm_cpu_lora::VLLM_CPU_LORA_ISA_NS

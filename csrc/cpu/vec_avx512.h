@@ -1,8 +1,21 @@
-// AVX-512 vector policy for bgmv_impl.h: 16 fp32 lanes, masked tails, and
-// (with kBf16) AVX512-BF16 `vdpbf16ps` pair dot products. Include only from
-// a TU compiled for AVX-512 (see kernels_avx512*.cpp), inside its ISA
-// namespace.
+// AVX-512 vector policy for the kernel templates (bgmv_impl.h): 16 fp32 lanes,
+// masked tails, and (with kBf16) AVX512-BF16 `vdpbf16ps` pair dot products.
+// Include only from a TU compiled for AVX-512 (kernels_avx512*.cpp,
+// kernels_amx*.cpp).
 #pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "kernel_isa_namespace.h"
+
+namespace vllm_cpu_lora::VLLM_CPU_LORA_ISA_NS {
 
 template <bool kBf16>
 struct VecAvx512 {
@@ -223,7 +236,7 @@ struct VecAvx512 {
   static F Dot(F acc, BH a, BH b) { return _mm512_dpbf16_ps(acc, a, b); }
 
   // ---- weight packing for the pack blocking ----
-  // Packs columns c < nt of P (see LoraKernel::Pack): row j holds, for each
+  // Packs columns c < nt of P (see PackKernel::Pack): row j holds, for each
   // weight row c < nc, element j (fp32) or the bf16 pair (2j, 2j+1) (kPairs),
   // zero for nc <= c < nc rounded up to kLanes (later columns are not read).
   // Returns the number of columns it packed, that rounded-up nc.
@@ -315,3 +328,5 @@ struct VecAvx512 {
     return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(d, 16)));
   }
 };
+
+}  // namespace vllm_cpu_lora::VLLM_CPU_LORA_ISA_NS

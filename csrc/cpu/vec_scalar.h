@@ -1,6 +1,16 @@
-// Portable "vector" policy for bgmv_impl.h: one fp32 lane, plain C++, c10's
-// conversions. Runs on any CPU; the compiler may still auto-vectorise.
+// Portable "vector" policy for the kernel templates (bgmv_impl.h): one fp32
+// lane, plain C++, c10's conversions. Runs on any CPU; the compiler may still
+// auto-vectorise.
 #pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+
+#include "kernel_isa_namespace.h"
+
+namespace vllm_cpu_lora::VLLM_CPU_LORA_ISA_NS {
 
 struct VecScalar {
   static constexpr int kLanes = 1;
@@ -35,3 +45,5 @@ struct VecScalar {
   template <class T>
   static void StorePartial(T*, F, int) {}
 };
+
+}  // namespace vllm_cpu_lora::VLLM_CPU_LORA_ISA_NS

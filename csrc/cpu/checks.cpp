@@ -1,0 +1,178 @@
+#include "checks.h"
+
+#include <ATen/MemoryOverlap.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <numeric>
+#include <utility>
+#include <vector>
+
+namespace vllm_cpu_lora {
+
+void CheckCpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got one on ",
+              t.device());
+}
+
+DType ToDType(const at::Tensor& t, const char* name) {
+  switch (t.scalar_type()) {
+    case at::kFloat:
+      return DType::kFloat;
+    case at::kBFloat16:
+      return DType::kBFloat16;
+    case at::kHalf:
+      return DType::kHalf;
+    default:
+      TORCH_CHECK(false, name, " must be float32, bfloat16 or float16, got ",
+                  t.scalar_type());
+  }
+}
+
+// Where torch cannot tell (at::get_overlap_status answers TooHard for non-dense
+// views), any overlap of the two byte ranges counts: a false alarm is an error
+// message, a missed one a silently wrong result.
+void CheckNoOverlap(const at::Tensor& out, const char* out_name,
+                    const at::Tensor& other, const char* other_name) {
+  const auto status = at::get_overlap_status(out, other);
+  bool overlap = status == at::MemOverlapStatus::Full ||
+                 status == at::MemOverlapStatus::Partial;
+  if (status == at::MemOverlapStatus::TooHard && out.numel() > 0 &&
+      other.numel() > 0) {
+    auto range = [](const at::Tensor& t) {
+      int64_t extent = 1;
+      for (int64_t d = 0; d < t.dim(); ++d) {
+        extent += (t.size(d) - 1) * std::abs(t.stride(d));
+      }
+      const char* begin = static_cast<const char*>(t.const_data_ptr());
+      return std::make_pair(begin, begin + extent * t.element_size());
+    };
+    const auto [a0, a1] = range(out);
+    const auto [b0, b1] = range(other);
+    overlap = a0 < b1 && b0 < a1;
+  }
+  TORCH_CHECK(!overlap, out_name, " must not share memory with ", other_name);
+}
+
+bool FitsIn(int64_t offset, int64_t size, int64_t width) {
+  return offset >= 0 && size >= 0 && offset <= width && size <= width - offset;
+}
+
+at::Tensor Matrix(const at::Tensor& t, const char* name) {
+  CheckCpu(t, name);
+  ToDType(t, name);
+  TORCH_CHECK(t.dim() == 2, name, " must be 2-D, got shape ", t.sizes());
+  return t.stride(1) == 1 || t.size(1) <= 1 ? t : t.contiguous();
+}
+
+IndexList ReadIndices(const at::Tensor& t, const char* name, int64_t count,
+                      int64_t lo, int64_t hi, const char* range_note) {
+  CheckCpu(t, name);
+  TORCH_CHECK(t.scalar_type() == at::kLong || t.scalar_type() == at::kInt, name,
+              " must be an int64 or int32 tensor, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == 1, name, " must be 1-D, got shape ", t.sizes());
+  TORCH_CHECK(t.size(0) >= count, name, " has ", t.size(0),
+              " entries, fewer than the ", count, " needed");
+  IndexList values(count);
+  const int64_t stride = t.stride(0);
+  if (t.scalar_type() == at::kLong) {
+    const int64_t* p = t.const_data_ptr<int64_t>();
+    for (int64_t i = 0; i < count; ++i) values[i] = p[i * stride];
+  } else {
+    const int32_t* p = t.const_data_ptr<int32_t>();
+    for (int64_t i = 0; i < count; ++i) values[i] = p[i * stride];
+  }
+  for (int64_t i = 0; i < count; ++i) {
+    TORCH_CHECK(values[i] >= lo && values[i] <= hi, name, "[", i,
+                "] = ", values[i], " is out of range: valid values are ", lo,
+                " to ", hi, range_note);
+  }
+  return values;
+}
+
+Weights ViewWeights(const at::Tensor& w, const char* name) {
+  CheckCpu(w, name);
+  ToDType(w, name);
+  TORCH_CHECK(w.dim() == 3 || (w.dim() == 4 && w.size(1) == 1), name,
+              " must be [num_loras, rows, cols] or [num_loras, 1, rows, "
+              "cols], got shape ",
+              w.sizes());
+  at::Tensor w3 = w.dim() == 4 ? w.select(1, 0) : w;
+  if (w3.stride(2) != 1 && w3.size(2) > 1) w3 = w3.contiguous();
+  return Weights{w3, w3.size(0), w3.size(1), w3.size(2)};
+}
+
+Segments ReadSegments(const at::Tensor& b_seq_start_loc,
+                      const at::Tensor& seq_len_tensor,
+                      const at::Tensor& lora_indices_tensor, int64_t batches,
+                      int64_t num_tokens, int64_t num_adapters) {
+  TORCH_CHECK(batches >= 0, "batches must be >= 0, got ", batches);
+  for (const auto& [t, name] :
+       {std::pair{&b_seq_start_loc, "b_seq_start_loc"},
+        std::pair{&seq_len_tensor, "seq_len_tensor"},
+        std::pair{&lora_indices_tensor, "lora_indices_tensor"}}) {
+    TORCH_CHECK(t->dim() != 1 || t->size(0) >= batches, "batches (", batches,
+                ") exceeds the ", t->size(0), " entries of ", name);
+  }
+  Segments s;
+  s.start = ReadIndices(b_seq_start_loc, "b_seq_start_loc", batches, 0,
+                        num_tokens, " (token positions)");
+  s.len = ReadIndices(seq_len_tensor, "seq_len_tensor", batches, 0, num_tokens,
+                      " (segment lengths)");
+  s.lora = ReadIndices(lora_indices_tensor, "lora_indices_tensor", batches, -1,
+                       num_adapters - 1, kLoraRange);
+  std::vector<int64_t> order(batches);
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(),
+            [&](int64_t a, int64_t b) { return s.start[a] < s.start[b]; });
+  int64_t prev = -1;
+  for (int64_t i : order) {
+    TORCH_CHECK(s.start[i] + s.len[i] <= num_tokens, "segment ", i,
+                " (b_seq_start_loc ", s.start[i], ", seq_len_tensor ", s.len[i],
+                ") runs past the ", num_tokens, " input tokens");
+    if (s.len[i] == 0) continue;
+    TORCH_CHECK(prev < 0 || s.start[i] >= s.start[prev] + s.len[prev],
+                "segments ", prev, " and ", i,
+                " overlap (b_seq_start_loc / seq_len_tensor)");
+    prev = i;
+  }
+  return s;
+}
+
+Product Prepare(const at::Tensor& inputs, const char* inputs_name,
+                const at::Tensor& weights, const char* weights_name,
+                const at::Tensor& output, const char* output_name,
+                const at::Tensor& index_tensor, Weights* w) {
+  Product p;
+  p.isa = SelectIsa();
+  p.x = Matrix(inputs, inputs_name);
+  *w = ViewWeights(weights, weights_name);
+  CheckCpu(output, output_name);
+  ToDType(output, output_name);
+  TORCH_CHECK(output.dim() == 2, output_name, " must be 2-D, got shape ",
+              output.sizes());
+  TORCH_CHECK(output.stride(1) == 1 || output.size(1) <= 1, output_name,
+              " must have a contiguous last dimension, got strides ",
+              output.strides());
+  // Rows of a 2-D output with unit column stride overlap exactly when the
+  // row stride is below the width (has_internal_overlap may say TooHard).
+  TORCH_CHECK(at::has_internal_overlap(output) != at::MemOverlap::Yes &&
+                  (output.size(0) <= 1 || output.size(1) == 0 ||
+                   output.stride(0) >= output.size(1)),
+              output_name, " has elements that share memory");
+  TORCH_CHECK(output.size(0) == inputs.size(0), output_name, " has ",
+              output.size(0), " rows but ", inputs_name, " has ",
+              inputs.size(0));
+  TORCH_CHECK(inputs.size(1) == w->cols, inputs_name, " has ", inputs.size(1),
+              " columns but ", weights_name, " expects ", w->cols,
+              " (its last dimension)");
+  CheckNoOverlap(output, output_name, inputs, inputs_name);
+  CheckNoOverlap(output, output_name, weights, weights_name);
+  CheckNoOverlap(output, output_name, index_tensor, "the index tensors");
+  p.w = w->t;
+  p.out = output;
+  return p;
+}
+
+}  // namespace vllm_cpu_lora

@@ -1,0 +1,126 @@
+// What the kernel strategies (kernel_dot.h, kernel_rows.h, kernel_pack.h,
+// bgmv_amx.h) share: dispatch on the element types, the types and constants
+// of one kernel instance (vector policy V, element types of x, w and out),
+// the input conversion and the vector store. Compiled once per ISA, inside its
+// namespace (kernel_isa_namespace.h).
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "kernel_interface.h"
+#include "kernel_isa_namespace.h"
+
+namespace vllm_cpu_lora::VLLM_CPU_LORA_ISA_NS {
+
+template <class T>
+struct TypeOf;
+template <>
+struct TypeOf<float> {
+  static constexpr DType kValue = DType::kFloat;
+};
+template <>
+struct TypeOf<c10::BFloat16> {
+  static constexpr DType kValue = DType::kBFloat16;
+};
+template <>
+struct TypeOf<c10::Half> {
+  static constexpr DType kValue = DType::kHalf;
+};
+
+template <class Fn>
+void WithType(DType dtype, Fn&& fn) {
+  switch (dtype) {
+    case DType::kFloat:
+      fn(float{});
+      break;
+    case DType::kBFloat16:
+      fn(c10::BFloat16{});
+      break;
+    case DType::kHalf:
+      fn(c10::Half{});
+      break;
+  }
+}
+
+// Calls fn(TX{}, TW{}, TO{}) with the element types of `args`.
+template <class Fn>
+void WithTypes(const LoraArgs& args, Fn&& fn) {
+  WithType(args.x_dtype, [&](auto tx) {
+    WithType(args.w_dtype, [&](auto tw) {
+      WithType(args.out_dtype, [&](auto to) { fn(tx, tw, to); });
+    });
+  });
+}
+
+// Rounds v to bf16 and returns its bits (c10 rounding: nearest even).
+template <class T>
+inline uint16_t Bf16Bits(T v) {
+  const c10::BFloat16 b(static_cast<float>(v));
+  return b.x;
+}
+
+// The vector type of bf16 pairs where the policy has one (kPairs), else F.
+template <class V, bool kPairs>
+struct PairVec {
+  using Type = typename V::F;
+};
+template <class V>
+struct PairVec<V, true> {
+  using Type = typename V::BH;
+};
+
+template <class V, class TX, class TW, class TO>
+struct KernelTypes {
+  using F = typename V::F;
+  static constexpr int kL = V::kLanes;
+  static constexpr int kTM = V::kTileM;  // Tokens per register tile.
+  static constexpr int kTN = V::kTileN;  // Weight rows per dot tile.
+
+  // bf16 pair products (vdpbf16ps) instead of fp32 FMAs.
+  static constexpr bool kPairs =
+      V::kBf16Dot && std::is_same_v<TW, c10::BFloat16> &&
+      (std::is_same_v<TX, c10::BFloat16> ||
+       (std::is_same_v<TX, float> && std::is_same_v<TO, c10::BFloat16>));
+
+  // Converted inputs and packed weights: fp32, or bf16 pairs (kPairs).
+  using PackT = std::conditional_t<kPairs, uint32_t, float>;
+
+  // xc[i * rows + j] = input j of token tok[i] as fp32, or (kPairs) the bf16
+  // pair (2j, 2j + 1) of it, for i < count.
+  static void ConvertInputs(const LoraArgs& a, const int64_t* tok,
+                            int64_t count, PackT* xc) {
+    const TX* x = static_cast<const TX*>(a.x);
+    const int64_t rows = kPairs ? (a.k + 1) / 2 : a.k;
+    for (int64_t i = 0; i < count; ++i) {
+      const TX* xr = x + tok[i] * a.x_row_stride;
+      PackT* dst = xc + i * rows;
+      for (int64_t j = 0; j < rows; ++j) {
+        if constexpr (kPairs) {
+          const uint32_t lo = Bf16Bits(xr[2 * j]);
+          const uint32_t hi = 2 * j + 1 < a.k ? Bf16Bits(xr[2 * j + 1]) : 0u;
+          dst[j] = lo | (hi << 16);
+        } else {
+          dst[j] = static_cast<float>(xr[j]);
+        }
+      }
+    }
+  }
+
+  // o[0..nc) = scale * r (+ o), nc <= kL.
+  static void StoreVec(const LoraArgs& a, TO* o, F r, int nc) {
+    r = V::Mul(r, V::Set1(a.scale));
+    if (nc >= kL) {
+      if (a.add) r = V::Add(r, V::Load(o));
+      V::Store(o, r);
+    } else {
+      if (a.add) r = V::Add(r, V::LoadPartial(o, nc));
+      V::StorePartial(o, r, nc);
+    }
+  }
+};
+
+}  // namespace vllm_cpu_lora::VLLM_CPU_LORA_ISA_NS

@@ -1,0 +1,126 @@
+// The "dot" strategy (LoRA shrink: long k, few outputs): register tiles of
+// tokens x weight rows, dot products along k, one horizontal sum per output.
+// Compiled once per ISA, inside its namespace (kernel_isa_namespace.h).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#include "kernel_common.h"
+#include "kernel_interface.h"
+#include "kernel_isa_namespace.h"
+
+namespace vllm_cpu_lora::VLLM_CPU_LORA_ISA_NS {
+
+template <class V, class TX, class TW, class TO>
+struct DotKernel : KernelTypes<V, TX, TW, TO> {
+  using Base = KernelTypes<V, TX, TW, TO>;
+  static constexpr auto kL = Base::kL;
+  static constexpr auto kPairs = Base::kPairs;
+  static constexpr auto kTM = Base::kTM;
+  static constexpr auto kTN = Base::kTN;
+  using typename Base::F;
+
+  static void StoreScalar(const LoraArgs& a, TO* o, float v) {
+    v *= a.scale;
+    if (a.add) v += static_cast<float>(*o);
+    *o = static_cast<TO>(v);
+  }
+
+  // res[i][j] = sum_k xr[i][k] * wr[j][k].
+  template <int MT, int NR>
+  static void DotTile(const TX* const* xr, const TW* const* wr, int64_t k,
+                      float (&res)[MT][NR]) {
+    F acc[MT][NR];
+    for (int i = 0; i < MT; ++i)
+      for (int j = 0; j < NR; ++j) acc[i][j] = V::Zero();
+    int64_t kk = 0;
+    if constexpr (kPairs) {
+      constexpr int kS = V::kPairLanes;
+      for (; kk + kS <= k; kk += kS) {
+        typename V::BH xv[MT];
+        for (int i = 0; i < MT; ++i) xv[i] = V::LoadPairs(xr[i] + kk);
+        for (int j = 0; j < NR; ++j) {
+          const typename V::BH wv = V::LoadPairs(wr[j] + kk);
+          for (int i = 0; i < MT; ++i) acc[i][j] = V::Dot(acc[i][j], xv[i], wv);
+        }
+      }
+      if (kk < k) {
+        const int n = static_cast<int>(k - kk);
+        typename V::BH xv[MT];
+        for (int i = 0; i < MT; ++i) xv[i] = V::LoadPairsPartial(xr[i] + kk, n);
+        for (int j = 0; j < NR; ++j) {
+          const typename V::BH wv = V::LoadPairsPartial(wr[j] + kk, n);
+          for (int i = 0; i < MT; ++i) acc[i][j] = V::Dot(acc[i][j], xv[i], wv);
+        }
+      }
+    } else {
+      for (; kk + kL <= k; kk += kL) {
+        F xv[MT];
+        for (int i = 0; i < MT; ++i) xv[i] = V::Load(xr[i] + kk);
+        for (int j = 0; j < NR; ++j) {
+          const F wv = V::Load(wr[j] + kk);
+          for (int i = 0; i < MT; ++i) acc[i][j] = V::Fma(xv[i], wv, acc[i][j]);
+        }
+      }
+      if (kk < k) {
+        const int n = static_cast<int>(k - kk);
+        F xv[MT];
+        for (int i = 0; i < MT; ++i) xv[i] = V::LoadPartial(xr[i] + kk, n);
+        for (int j = 0; j < NR; ++j) {
+          const F wv = V::LoadPartial(wr[j] + kk, n);
+          for (int i = 0; i < MT; ++i) acc[i][j] = V::Fma(xv[i], wv, acc[i][j]);
+        }
+      }
+    }
+    for (int i = 0; i < MT; ++i)
+      for (int j = 0; j < NR; ++j) res[i][j] = V::Reduce(acc[i][j]);
+  }
+
+  // Tokens tok[0..MT) against weight rows [n0, n1) of one adapter.
+  template <int MT, int NR>
+  static void DotBlock(const LoraArgs& a, const TW* wa, const int64_t* tok,
+                       int64_t n0, int64_t n1) {
+    const TX* x = static_cast<const TX*>(a.x);
+    TO* out = static_cast<TO*>(a.out);
+    const TX* xr[MT];
+    for (int i = 0; i < MT; ++i) xr[i] = x + tok[i] * a.x_row_stride;
+    for (int64_t n = n0; n < n1; n += NR) {
+      const int nr = static_cast<int>(std::min<int64_t>(NR, n1 - n));
+      // Rows past the end repeat the last valid one; their sums are dropped.
+      const TW* wr[NR];
+      for (int j = 0; j < NR; ++j)
+        wr[j] = wa + (n + std::min(j, nr - 1)) * a.w_row_stride;
+      float res[MT][NR];
+      DotTile<MT, NR>(xr, wr, a.k, res);
+      for (int i = 0; i < MT; ++i) {
+        TO* o = out + tok[i] * a.out_row_stride + n;
+        for (int j = 0; j < nr; ++j) StoreScalar(a, o + j, res[i][j]);
+      }
+    }
+  }
+
+  static void Run(const LoraArgs& a, const WorkItem* items, int64_t begin,
+                  int64_t end) {
+    const TW* w = static_cast<const TW*>(a.w);
+    for (int64_t it = begin; it < end; ++it) {
+      const WorkItem& item = items[it];
+      const Group& g = a.groups[item.group];
+      const int64_t* tok = a.tokens + g.token_begin;
+      const TW* wa = w + g.adapter * a.w_adapter_stride;
+      int64_t m = item.m0;
+      for (; m + kTM <= item.m1; m += kTM)
+        DotBlock<kTM, kTN>(a, wa, tok + m, item.n0, item.n1);
+      // Two tokens share each weight load (adapters with 2-3 tokens are
+      // common in decode batches).
+      if constexpr (kTM > 2) {
+        for (; m + 2 <= item.m1; m += 2)
+          DotBlock<2, 2 * kTN>(a, wa, tok + m, item.n0, item.n1);
+      }
+      for (; m < item.m1; ++m)
+        DotBlock<1, 2 * kTN>(a, wa, tok + m, item.n0, item.n1);
+    }
+  }
+};
+
+}  // namespace vllm_cpu_lora::VLLM_CPU_LORA_ISA_NS

@@ -1,0 +1,90 @@
+// The interface between the dispatcher (launch.cpp, built with the baseline
+// flags) and the per-ISA kernel translation units: the product's arguments,
+// its work items and the kernel table. Nothing here may depend on the ISA:
+// every ISA TU includes this header before its `#pragma GCC target`.
+#pragma once
+
+#include <cstdint>
+
+namespace vllm_cpu_lora {
+
+enum class DType : int8_t { kFloat, kBFloat16, kHalf };
+
+// One run of tokens that share an adapter: tokens[token_begin ..
+// token_begin + token_count) of LoraArgs::tokens.
+struct Group {
+  int64_t adapter;
+  int64_t token_begin;
+  int64_t token_count;
+};
+
+// A unit of parallel work: tokens [m0, m1) of a group (positions within the
+// group) times output columns [n0, n1).
+struct WorkItem {
+  int64_t group;
+  int64_t m0, m1;
+  int64_t n0, n1;
+};
+
+// out[t, n] = scale * sum_k x[t, k] * w[a, n, k]  (+ out[t, n] if add),
+// for every token t of every group, a the group's adapter. All pointers
+// are already offset (e.g. to a slice's first column); the innermost
+// dimension of x, w and out is contiguous.
+struct LoraArgs {
+  const void* x;
+  int64_t x_row_stride;
+  DType x_dtype;
+  const void* w;
+  int64_t w_adapter_stride;
+  int64_t w_row_stride;
+  DType w_dtype;
+  void* out;
+  int64_t out_row_stride;
+  DType out_dtype;
+  int64_t k;  // Reduction length (hidden size for shrink, rank for expand).
+  float scale;
+  bool add;
+  const int64_t* tokens;
+  const Group* groups;
+  // AMX kernels only: groups with fewer tokens (AmxMinTokens) run the
+  // swapped-operand tiles (AmxSwapMinTokens, or always where amx_forced) or
+  // the AVX512-BF16 kernel.
+  int64_t amx_min_tokens;
+  bool amx_forced;
+};
+
+using KernelFn = void (*)(const LoraArgs&, const WorkItem*, int64_t begin,
+                          int64_t end);
+
+// The two blockings of the same product: `dot` (long k, few outputs: LoRA
+// shrink) runs dot products along k; `pack` (short k, many outputs: LoRA
+// expand) repacks a block of weight rows so that output columns are the
+// vector lanes (or, for a few tokens, reads the rows in place).
+struct IsaKernels {
+  KernelFn dot;
+  KernelFn pack;
+};
+
+// One accessor per ISA translation unit.
+namespace scalar {
+IsaKernels Kernels();
+}
+namespace avx2 {
+IsaKernels Kernels();
+}
+namespace avx512 {
+IsaKernels Kernels();
+}
+namespace avx512_bf16 {
+IsaKernels Kernels();
+}
+namespace amx {
+IsaKernels Kernels();
+}
+// The AMX kernel on software-emulated tiles (amx_emulation.h): test-only, so
+// the AMX blocking, packing and remainders are checked on CPUs without AMX.
+namespace amx_emulated {
+IsaKernels Kernels();
+}
+
+}  // namespace vllm_cpu_lora

@@ -1,0 +1,174 @@
+// The "pack" strategy (LoRA expand: short k, many outputs): a block of
+// weight rows repacked so that output columns are the vector lanes, swept by
+// register tiles of tokens; groups of a few tokens take the rows strategy.
+// Compiled once per ISA, inside its namespace (kernel_isa_namespace.h).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <type_traits>
+
+#include "kernel_common.h"
+#include "kernel_interface.h"
+#include "kernel_isa_namespace.h"
+#include "kernel_rows.h"
+#include "tuning.h"
+
+namespace vllm_cpu_lora::VLLM_CPU_LORA_ISA_NS {
+
+template <class V, class TX, class TW, class TO>
+struct PackKernel : KernelTypes<V, TX, TW, TO> {
+  using Base = KernelTypes<V, TX, TW, TO>;
+  using Base::ConvertInputs;
+  static constexpr auto kL = Base::kL;
+  static constexpr auto kPairs = Base::kPairs;
+  static constexpr auto kTM = Base::kTM;
+  using Base::StoreVec;
+  using typename Base::F;
+  using typename Base::PackT;
+  using Rows = RowsKernel<V, TX, TW, TO>;
+  static constexpr int kNV = 4;         // Vectors per pack tile row.
+  static constexpr int kNT = kNV * kL;  // Output columns per pack tile.
+
+  // P[j * kNT + c] = w[c][j] for c < nc (bf16 pairs: w[c][2j], w[c][2j+1]),
+  // zero for nc <= c < nc rounded up to kL; later columns are never read.
+  static void Pack(const TW* w, int64_t row_stride, int64_t k, int nc,
+                   PackT* P) {
+    const int64_t rows = kPairs ? (k + 1) / 2 : k;
+    int c0 = 0;
+    if constexpr (V::kGather) {
+      c0 = V::template PackColumns<TW, kPairs>(w, row_stride, k, nc, kNT, P);
+    }
+    const int filled = (nc + kL - 1) / kL * kL;
+    for (int c = c0; c < filled; ++c) {
+      const TW* row = w + c * row_stride;
+      for (int64_t j = 0; j < rows; ++j) {
+        PackT v{};
+        if (c < nc) {
+          if constexpr (kPairs) {
+            const uint32_t lo = row[2 * j].x;
+            const uint32_t hi = 2 * j + 1 < k ? row[2 * j + 1].x : 0u;
+            v = lo | (hi << 16);
+          } else {
+            v = static_cast<float>(row[j]);
+          }
+        }
+        P[j * kNT + c] = v;
+      }
+    }
+  }
+
+  // out rows tok[0..MT), columns [n, n + nc): the packed block P times the
+  // converted inputs xc (rows entries per token). kFull: nc == kNT, known at
+  // compile time so the accumulators stay in registers.
+  template <int MT, bool kFull>
+  static void PackTile(const LoraArgs& a, const PackT* P, const PackT* xc,
+                       int64_t rows, const int64_t* tok, int64_t n, int nc) {
+    TO* out = static_cast<TO*>(a.out);
+    const int nv = kFull ? kNV : (nc + kL - 1) / kL;  // Vectors in use.
+    F acc[MT][kNV];
+    for (int i = 0; i < MT; ++i)
+      for (int v = 0; v < kNV; ++v) acc[i][v] = V::Zero();
+    for (int64_t j = 0; j < rows; ++j) {
+      const PackT* pj = P + j * kNT;
+      if constexpr (kPairs) {
+        typename V::BH wv[kNV];
+        for (int v = 0; v < kNV; ++v)
+          if (v < nv) wv[v] = V::LoadPacked(pj + v * kL);
+        for (int i = 0; i < MT; ++i) {
+          const typename V::BH xb = V::BroadcastPair(xc[i * rows + j]);
+          for (int v = 0; v < kNV; ++v)
+            if (v < nv) acc[i][v] = V::Dot(acc[i][v], xb, wv[v]);
+        }
+      } else {
+        F wv[kNV];
+        for (int v = 0; v < kNV; ++v)
+          if (v < nv) wv[v] = V::Load(pj + v * kL);
+        for (int i = 0; i < MT; ++i) {
+          const F xb = V::Set1(xc[i * rows + j]);
+          for (int v = 0; v < kNV; ++v)
+            if (v < nv) acc[i][v] = V::Fma(xb, wv[v], acc[i][v]);
+        }
+      }
+    }
+    for (int i = 0; i < MT; ++i) {
+      StoreRow(a, out + tok[i] * a.out_row_stride + n, acc[i], nc);
+    }
+  }
+
+  // o[0..nc) = scale * acc (+ o), nc <= kNT.
+  static void StoreRow(const LoraArgs& a, TO* o, const F (&acc)[kNV], int nc) {
+    for (int v = 0; v < kNV && v * kL < nc; ++v) {
+      StoreVec(a, o + v * kL, acc[v], nc - v * kL);
+    }
+  }
+
+  // Per work item: convert its tokens' inputs, pack all of its columns
+  // (one kNT-column block after another, rows * kNT entries each), then
+  // sweep each token tile along the columns, so every output row is written
+  // front to back (output traffic dominates a large expand).
+  static void Run(const LoraArgs& a, const WorkItem* items, int64_t begin,
+                  int64_t end) {
+    const int64_t rows = kPairs ? (a.k + 1) / 2 : a.k;
+    std::unique_ptr<PackT[]> xc, packed;
+    int64_t xc_tokens = 0, packed_blocks = 0;
+    const TW* w = static_cast<const TW*>(a.w);
+    for (int64_t it = begin; it < end; ++it) {
+      const WorkItem& item = items[it];
+      const Group& g = a.groups[item.group];
+      const int64_t* tok = a.tokens + g.token_begin + item.m0;
+      const int64_t count = item.m1 - item.m0;
+      const int64_t blocks = (item.n1 - item.n0 + kNT - 1) / kNT;
+      if (count > xc_tokens) {
+        xc.reset(new PackT[count * rows]);
+        xc_tokens = count;
+      }
+      ConvertInputs(a, tok, count, xc.get());
+      const TW* wa = w + g.adapter * a.w_adapter_stride;
+      const int group_lanes = Rows::RowGroupLanes(a);
+      if (count <= RowsMaxTokens(a.k, group_lanes > 0)) {
+        Rows::Run(a, wa, xc.get(), rows, tok, count, item.n0, item.n1,
+                  group_lanes);
+        continue;
+      }
+      if (blocks > packed_blocks) {
+        packed.reset(new PackT[blocks * rows * kNT]);
+        packed_blocks = blocks;
+      }
+      auto block_cols = [&](int64_t b) {
+        return static_cast<int>(
+            std::min<int64_t>(kNT, item.n1 - item.n0 - b * kNT));
+      };
+      for (int64_t b = 0; b < blocks; ++b) {
+        Pack(wa + (item.n0 + b * kNT) * a.w_row_stride, a.w_row_stride, a.k,
+             block_cols(b), packed.get() + b * rows * kNT);
+      }
+      auto sweep = [&](auto tile_m, int64_t m) {
+        constexpr int kMT = decltype(tile_m)::value;
+        for (int64_t b = 0; b < blocks; ++b) {
+          const int nc = block_cols(b);
+          const PackT* block = packed.get() + b * rows * kNT;
+          const int64_t n = item.n0 + b * kNT;
+          if (nc == kNT) {
+            PackTile<kMT, true>(a, block, xc.get() + m * rows, rows, tok + m, n,
+                                nc);
+          } else {
+            PackTile<kMT, false>(a, block, xc.get() + m * rows, rows, tok + m,
+                                 n, nc);
+          }
+        }
+      };
+      int64_t m = 0;
+      for (; m + kTM <= count; m += kTM)
+        sweep(std::integral_constant<int, kTM>{}, m);
+      if constexpr (kTM > 2) {
+        for (; m + 2 <= count; m += 2)
+          sweep(std::integral_constant<int, 2>{}, m);
+      }
+      for (; m < count; ++m) sweep(std::integral_constant<int, 1>{}, m);
+    }
+  }
+};
+
+}  // namespace vllm_cpu_lora::VLLM_CPU_LORA_ISA_NS

@@ -1,0 +1,220 @@
+// The "rows" strategy (an expand of a few tokens per adapter): dot products
+// along k over the weight rows in place, no repacking; each tile of rows,
+// read once from memory, serves every token of the group from L1.
+// Compiled once per ISA, inside its namespace (kernel_isa_namespace.h).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+#include "kernel_common.h"
+#include "kernel_interface.h"
+#include "kernel_isa_namespace.h"
+#include "tuning.h"
+
+namespace vllm_cpu_lora::VLLM_CPU_LORA_ISA_NS {
+
+template <class V, class TX, class TW, class TO>
+struct RowsKernel : KernelTypes<V, TX, TW, TO> {
+  using Base = KernelTypes<V, TX, TW, TO>;
+  static constexpr auto kL = Base::kL;
+  static constexpr auto kPairs = Base::kPairs;
+  using Base::StoreVec;
+  using typename Base::F;
+  using typename Base::PackT;
+
+  // A vector of inputs or weights as the products take it: bf16 pairs
+  // (kPairs) or fp32 lanes.
+  using PV = typename PairVec<V, kPairs>::Type;
+
+  // Weight or input elements per PV.
+  static constexpr int LoadElems() {
+    if constexpr (kPairs) {
+      return V::kPairLanes;
+    } else {
+      return kL;
+    }
+  }
+
+  // LoadElems() weights from p, or (partial) its first n.
+  static PV LoadW(const TW* p) {
+    if constexpr (kPairs) {
+      return V::LoadPairs(p);
+    } else {
+      return V::Load(p);
+    }
+  }
+  static PV LoadWPartial(const TW* p, int n) {
+    if constexpr (kPairs) {
+      return V::LoadPairsPartial(p, n);
+    } else {
+      return V::LoadPartial(p, n);
+    }
+  }
+
+  // LoadElems() converted inputs from element e of xc, or (partial) n.
+  static PV LoadX(const PackT* xc, int64_t e) {
+    if constexpr (kPairs) {
+      return V::LoadPacked(xc + e / 2);
+    } else {
+      return V::Load(xc + e);
+    }
+  }
+  static PV LoadXPartial(const PackT* xc, int64_t e, int n) {
+    if constexpr (kPairs) {
+      return V::LoadPackedPartial(xc + e / 2, (n + 1) / 2);
+    } else {
+      return V::LoadPartial(xc + e, n);
+    }
+  }
+
+  // acc + the lane-wise products of x and w (pair products with kPairs).
+  static F MulAdd(F acc, PV x, PV w) {
+    if constexpr (kPairs) {
+      return V::Dot(acc, x, w);
+    } else {
+      return V::Fma(x, w, acc);
+    }
+  }
+
+  // One token's converted inputs xc (rows entries) against weight rows
+  // [n, n + kL) read in place: kL dot products along k, turned into kL
+  // adjacent outputs by V::SumLanes. Rows at or past n + nr (nr <= kL) repeat
+  // row n + nr - 1; their lanes are dropped by the store. For groups of a
+  // token or two this beats repacking, whose transposes would serve too few
+  // tokens.
+  static F RowsTile(const LoraArgs& a, const TW* wa, const PackT* xc, int64_t n,
+                    int nr) {
+    const int64_t k = a.k;
+    F acc[kL];
+    // One row at a time, its whole reduction: a single live pointer, and
+    // the inputs are re-read from L1.
+    for (int j = 0; j < kL; ++j) {
+      const TW* row = wa + (n + std::min(j, nr - 1)) * a.w_row_stride;
+      F s = V::Zero();
+      int64_t kk = 0;
+      for (; kk + LoadElems() <= k; kk += LoadElems())
+        s = MulAdd(s, LoadX(xc, kk), LoadW(row + kk));
+      if (kk < k) {
+        const int rest = static_cast<int>(k - kk);
+        s = MulAdd(s, LoadXPartial(xc, kk, rest), LoadWPartial(row + kk, rest));
+      }
+      acc[j] = s;
+    }
+    return V::SumLanes(acc);
+  }
+
+  // RowsTile for whole tiles (kL rows) of contiguous rows of exactly kK
+  // elements: every load is at a constant offset from `tile`, and the
+  // accumulators stay in registers.
+  template <int kK>
+  static F RowsTileFixed(const TW* tile, const PackT* xc) {
+    constexpr int kS = LoadElems();
+    static_assert(kK % kS == 0);
+    F acc[kL];
+    for (int j = 0; j < kL; ++j) acc[j] = V::Zero();
+#pragma GCC unroll 8
+    for (int kk = 0; kk < kK; kk += kS) {
+      const PV xv = LoadX(xc, kk);
+#pragma GCC unroll 16
+      for (int j = 0; j < kL; ++j)
+        acc[j] = MulAdd(acc[j], xv, LoadW(tile + j * kK + kk));
+    }
+    return V::SumLanes(acc);
+  }
+
+  // Lanes per weight row when several short rows share a vector (G of the
+  // kL lanes each: bf16 pairs, or fp32 elements), 0 where that does not
+  // apply: the rows must be contiguous and G in {4, 8} (V::SumGroups).
+  static int RowGroupLanes(const LoraArgs& a) {
+    if constexpr (!V::kRowGroups) {
+      return 0;
+    } else {
+      const int64_t lanes = kPairs ? a.k / 2 : a.k;
+      const bool fits = (lanes == 4 || lanes == 8) &&
+                        (!kPairs || a.k % 2 == 0) && a.w_row_stride == a.k;
+      return fits ? static_cast<int>(lanes) : 0;
+    }
+  }
+
+  // RowsTile for short contiguous rows, kL / G rows per vector: G vectors
+  // hold the kL rows [n, n + kL) (elements past row n + nr are not read),
+  // one product each with the token's inputs repeated per row (xr), and
+  // V::SumGroups sums each row's G lanes into its output lane.
+  template <int G>
+  static F RowsGroupTile(const TW* wa, int64_t k, int64_t n, int nr,
+                         const PV& xr) {
+    constexpr int64_t kElems = LoadElems();
+    const TW* tile = wa + n * k;
+    const int64_t valid = nr * k;
+    F acc[G];
+    for (int q = 0; q < G; ++q) {
+      const int64_t left = valid - q * kElems;
+      const PV w =
+          left >= kElems
+              ? LoadW(tile + q * kElems)
+              : LoadWPartial(tile + q * kElems,
+                             static_cast<int>(std::max<int64_t>(0, left)));
+      acc[q] = MulAdd(V::Zero(), xr, w);
+    }
+    return V::template SumGroups<G>(acc);
+  }
+
+  // The rows tiles over columns [n0, n1) for `count` <= kRowsMaxTokens
+  // tokens (inputs xc): each tile of weight rows, read once from memory,
+  // serves every token from L1.
+  static void Run(const LoraArgs& a, const TW* wa, const PackT* xc,
+                  int64_t rows, const int64_t* tok, int64_t count, int64_t n0,
+                  int64_t n1, int group_lanes) {
+    TO* out = static_cast<TO*>(a.out);
+    // kG: grouped tiles of kG lanes per row; else kK > 0: whole tiles of
+    // contiguous kK-element rows through RowsTileFixed.
+    auto sweep = [&](auto lanes, auto fixed_k) {
+      constexpr int kG = decltype(lanes)::value;
+      constexpr int kK = decltype(fixed_k)::value;
+      // The inputs repeated once per row of a vector (grouped tiles only).
+      PV xr[kRowsMaxTokens];
+      if constexpr (kG > 0) {
+        for (int64_t i = 0; i < count; ++i)
+          xr[i] = V::template Repeat<kG>(xc + i * rows);
+      }
+      for (int64_t n = n0; n < n1; n += kL) {
+        const int nr = static_cast<int>(std::min<int64_t>(kL, n1 - n));
+        for (int64_t i = 0; i < count; ++i) {
+          F r;
+          if constexpr (kG > 0) {
+            r = RowsGroupTile<kG>(wa, a.k, n, nr, xr[i]);
+          } else if constexpr (kK > 0) {
+            r = nr == kL ? RowsTileFixed<kK>(wa + n * kK, xc + i * rows)
+                         : RowsTile(a, wa, xc + i * rows, n, nr);
+          } else {
+            r = RowsTile(a, wa, xc + i * rows, n, nr);
+          }
+          StoreVec(a, out + tok[i] * a.out_row_stride + n, r, nr);
+        }
+      }
+    };
+    using std::integral_constant;
+    using kNone = integral_constant<int, 0>;
+    if constexpr (V::kRowGroups) {
+      if (group_lanes == 4) return sweep(integral_constant<int, 4>{}, kNone{});
+      if (group_lanes == 8) return sweep(integral_constant<int, 8>{}, kNone{});
+    }
+    if (a.w_row_stride == a.k) {
+      switch (a.k) {
+        case 32:
+          return sweep(kNone{}, integral_constant<int, 32>{});
+        case 64:
+          return sweep(kNone{}, integral_constant<int, 64>{});
+        case 128:
+          return sweep(kNone{}, integral_constant<int, 128>{});
+        case 256:
+          return sweep(kNone{}, integral_constant<int, 256>{});
+      }
+    }
+    sweep(kNone{}, kNone{});
+  }
+};
+
+}  // namespace vllm_cpu_lora::VLLM_CPU_LORA_ISA_NS

@@ -1,0 +1,189 @@
+#include "launch.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/SmallVector.h>
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <type_traits>
+
+#include "checks.h"
+#include "tuning.h"
+
+namespace vllm_cpu_lora {
+namespace {
+
+int64_t ElementSize(DType t) { return t == DType::kFloat ? 4 : 2; }
+
+// A shrink with fewer token blocks than threads, parallel over the
+// reduction: part s runs `fn` over k elements [k0, k0 + kc) (kc a multiple of
+// 32, as the bf16 pairs and AMX tiles want) into fp32 partial rows of its
+// own, unscaled; the partials are then summed, scaled and added or stored
+// into the real output, one rounding to its dtype as in the kernels.
+void RunSplitK(const LoraArgs& a, KernelFn fn, c10::ArrayRef<WorkItem> items,
+               c10::ArrayRef<Group> groups, c10::ArrayRef<int64_t> tokens,
+               int64_t num_rows, int64_t n, int threads) {
+  const int64_t kc = (a.k + 32 * threads - 1) / (32 * threads) * 32;
+  const int64_t parts = (a.k + kc - 1) / kc;
+  // Rows are indexed by token; only the groups' token rows are written and
+  // read, so the buffer is left uninitialised.
+  std::unique_ptr<float[]> partial(new float[parts * num_rows * n]);
+  at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t s = begin; s < end; ++s) {
+      LoraArgs part = a;
+      const int64_t k0 = s * kc;
+      part.x = static_cast<const char*>(a.x) + k0 * ElementSize(a.x_dtype);
+      part.w = static_cast<const char*>(a.w) + k0 * ElementSize(a.w_dtype);
+      part.k = std::min(kc, a.k - k0);
+      part.out = partial.get() + s * num_rows * n;
+      part.out_row_stride = n;
+      part.out_dtype = DType::kFloat;
+      part.scale = 1.0f;
+      part.add = false;
+      fn(part, items.data(), 0, static_cast<int64_t>(items.size()));
+    }
+  });
+  auto combine = [&](auto* out) {
+    using T = std::remove_pointer_t<decltype(out)>;
+    for (const Group& g : groups) {
+      for (int64_t i = 0; i < g.token_count; ++i) {
+        const int64_t t = tokens[g.token_begin + i];
+        T* row = out + t * a.out_row_stride;
+        for (int64_t j = 0; j < n; ++j) {
+          float sum = 0.0f;
+          for (int64_t s = 0; s < parts; ++s) {
+            sum += partial[(s * num_rows + t) * n + j];
+          }
+          float v = a.scale * sum;
+          if (a.add) v += static_cast<float>(row[j]);
+          row[j] = static_cast<T>(v);
+        }
+      }
+    }
+  };
+  switch (a.out_dtype) {
+    case DType::kFloat:
+      combine(static_cast<float*>(a.out));
+      break;
+    case DType::kBFloat16:
+      combine(static_cast<c10::BFloat16*>(a.out));
+      break;
+    case DType::kHalf:
+      combine(static_cast<c10::Half*>(a.out));
+      break;
+  }
+}
+
+}  // namespace
+
+void Run(const Product& p, c10::ArrayRef<Group> groups,
+         c10::ArrayRef<int64_t> tokens) {
+  const int64_t k = p.x.size(1);
+  if (groups.empty() || p.n == 0) return;
+  if (k == 0) {
+    // Empty reduction: the product is 0.
+    for (const Group& g : groups) {
+      for (int64_t i = 0; i < g.token_count; ++i) {
+        auto row = p.out[tokens[g.token_begin + i]].narrow(0, p.col0, p.n);
+        if (!p.add) row.zero_();
+      }
+    }
+    return;
+  }
+  const IsaChoice& choice = p.isa;
+  const IsaKernels& kernels = KernelsFor(choice.isa);
+  const bool pack = k <= kMaxPackK && p.n > k;
+  const KernelFn fn = pack ? kernels.pack : kernels.dot;
+
+  LoraArgs a{};
+  a.x = p.x.const_data_ptr();
+  a.x_row_stride = p.x.stride(0);
+  a.x_dtype = ToDType(p.x, "inputs");
+  a.w = p.w.const_data_ptr();
+  a.w_adapter_stride = p.w.stride(0);
+  a.w_row_stride = p.w.stride(1);
+  a.w_dtype = ToDType(p.w, "weights");
+  a.out = static_cast<char*>(p.out.data_ptr()) +
+          p.col0 * p.out.stride(1) * p.out.element_size();
+  a.out_row_stride = p.out.stride(0);
+  a.out_dtype = ToDType(p.out, "output");
+  a.k = k;
+  a.scale = p.scale;
+  a.add = p.add;
+  a.tokens = tokens.data();
+  a.groups = groups.data();
+  a.amx_min_tokens = AmxMinTokens(pack);
+  a.amx_forced = choice.forced;
+
+  int64_t total_tokens = 0;
+  for (const Group& g : groups) total_tokens += g.token_count;
+  const int64_t macs = total_tokens * p.n * k;
+  const int threads = at::get_num_threads();
+  const bool parallel =
+      threads > 1 && macs >= kParallelMacs && !at::in_parallel_region();
+
+  // Items of up to kWorkItemTokens tokens by n_block columns.
+  int64_t m_blocks = 0;
+  for (const Group& g : groups) {
+    m_blocks += (g.token_count + kWorkItemTokens - 1) / kWorkItemTokens;
+  }
+  int64_t n_block = p.n;
+  if (pack) {
+    // At most 4k bytes of packed weights a column.
+    n_block = std::min(
+        p.n, std::max(kMinColumnsPerItem, kPackedBytesPerItem / (4 * k) /
+                                              kColumnAlign * kColumnAlign));
+  }
+  if (parallel && pack) {
+    // Expand: halve the column blocks until there are a few items per
+    // thread.
+    while (m_blocks * ((p.n + n_block - 1) / n_block) < 4 * threads &&
+           n_block > kColumnAlign) {
+      n_block = std::max(kColumnAlign, (n_block / 2 + kColumnAlign - 1) /
+                                           kColumnAlign * kColumnAlign);
+    }
+  }
+  // Shrink keeps whole rows per item: split among threads, every part would
+  // redo the per-token work (the AMX tiles interleave each token row once
+  // per item) for a part of the few outputs. With fewer token blocks than
+  // threads it splits the reduction instead (RunSplitK), except where the
+  // kernels round fp32 inputs for a bf16 output (bgmv_impl.h), which the
+  // fp32 partial rows would not.
+  const bool rounds_x = a.x_dtype == DType::kFloat &&
+                        a.w_dtype == DType::kBFloat16 &&
+                        a.out_dtype == DType::kBFloat16;
+  const bool split_k = parallel && !pack && m_blocks < threads && !rounds_x;
+  c10::SmallVector<WorkItem, 32> items;
+  items.reserve(m_blocks * ((p.n + n_block - 1) / n_block));
+  for (int64_t gi = 0; gi < static_cast<int64_t>(groups.size()); ++gi) {
+    const int64_t count = groups[gi].token_count;
+    for (int64_t m = 0; m < count; m += kWorkItemTokens) {
+      for (int64_t n = 0; n < p.n; n += n_block) {
+        items.push_back(WorkItem{gi, m, std::min(m + kWorkItemTokens, count), n,
+                                 std::min(n + n_block, p.n)});
+      }
+    }
+  }
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  if (split_k) {
+    RunSplitK(a, fn, items, groups, tokens, p.x.size(0), p.n, threads);
+  } else if (!parallel) {
+    fn(a, items.data(), 0, num_items);
+  } else {
+    at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
+      fn(a, items.data(), begin, end);
+    });
+  }
+}
+
+void ZeroRows(const at::Tensor& out, c10::ArrayRef<int64_t> rows,
+              int64_t cols) {
+  char* base = static_cast<char*>(out.data_ptr());
+  const int64_t row_bytes = out.stride(0) * out.element_size();
+  for (int64_t r : rows) {
+    std::memset(base + r * row_bytes, 0, cols * out.element_size());
+  }
+}
+
+}  // namespace vllm_cpu_lora

@@ -1,0 +1,58 @@
+// The tuning thresholds: which blocking, tiles and threading a product gets.
+// Each has a one-line reason here; the measurements behind it are in
+// docs/tuning.md, under the same name. Included by the dispatcher and by the
+// kernel TUs (before their `#pragma GCC target`): plain constants only.
+#pragma once
+
+#include <cstdint>
+
+namespace vllm_cpu_lora {
+
+// Token counts no group reaches.
+constexpr int64_t kNever = int64_t{1} << 62;
+
+// Pack blocking keeps a whole block of weight rows in a stack buffer.
+constexpr int64_t kMaxPackK = 256;
+
+// Parallelise above this many multiply-adds: thread start-up costs a few
+// microseconds that a smaller call would not win back (#parallel-macs).
+constexpr int64_t kParallelMacs = int64_t{1} << 18;
+
+// Tokens per work item: a multiple of every token tile height.
+constexpr int64_t kWorkItemTokens = 64;
+
+// Expand items span as many columns as keep their packed weights within
+// about half of L2 (#expand-column-blocks); blocks are whole cache lines.
+constexpr int64_t kPackedBytesPerItem = int64_t{1} << 20;
+constexpr int64_t kMinColumnsPerItem = 512;
+constexpr int64_t kColumnAlign = 64;
+
+// Groups of at least AmxMinTokens(pack) tokens run the regular AMX tiles
+// (weights packed into VNNI pairs); smaller ones the swapped-operand tiles
+// or AVX512-BF16 (#amx-min-tokens). `pack`: expand, else shrink.
+constexpr int64_t AmxMinTokens(bool pack) { return pack ? 32 : 256; }
+
+// Groups below AmxMinTokens run the swapped-operand AMX tiles from this many
+// tokens, else AVX512-BF16: the tiles' cost barely grows with k and tokens,
+// AVX512-BF16's does (#amx-swap-min-tokens). `pack`: expand (k is the
+// rank), else shrink (`rows` is the rank).
+constexpr int64_t AmxSwapMinTokens(int64_t k, int64_t rows, bool pack) {
+  if (pack) {
+    return k >= 32 ? 1 : k >= 16 ? 2 : k >= 8 ? 4 : kNever;
+  }
+  return rows >= 16 ? 2 : rows >= 8 ? 4 : kNever;
+}
+
+// Within the pack blocking, groups of at most RowsMaxTokens(k, grouped)
+// tokens read the weight rows in place instead of repacking them: packing's
+// transposes pay off only when enough tokens share them (#rows-max-tokens).
+// `grouped`: short contiguous rows, several to a vector.
+constexpr int kRowsMaxTokens = 8;
+constexpr int64_t RowsMaxTokens(int64_t k, bool grouped) {
+  if (grouped) return k <= 8 ? 8 : 4;
+  return k >= 128 ? 8 : k >= 64 ? 6 : k >= 32 ? 3 : 0;
+}
+static_assert(RowsMaxTokens(8, true) <= kRowsMaxTokens &&
+              RowsMaxTokens(kMaxPackK, false) <= kRowsMaxTokens);
+
+}  // namespace vllm_cpu_lora
