@@ -16,6 +16,7 @@ instead (``--compare`` there also runs vLLM's own torch ops).
 """
 
 import argparse
+import io
 import json
 import signal
 import sys
@@ -24,7 +25,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from vllm_cpu_lora import offline, tiny_model
 from vllm_cpu_lora.server import VllmServer
@@ -263,7 +264,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     # Progress shows as it happens, also through a pipe or into a file.
-    sys.stdout.reconfigure(line_buffering=True)
+    # (typeshed types sys.stdout as TextIO, which has no reconfigure; the
+    # interpreter's is a TextIOWrapper.)
+    cast(io.TextIOWrapper, sys.stdout).reconfigure(line_buffering=True)
     # SIGTERM stops the server too, as Ctrl-C does.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:

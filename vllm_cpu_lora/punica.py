@@ -70,6 +70,14 @@ class PunicaWrapperCPULoRA(PunicaWrapperCPU):
     kernels differ. Slices are still applied one op call at a time.
     """
 
+    # vLLM's property (PunicaWrapperBase), typed here too for a check that
+    # runs without vLLM, where the base class is Any and `*` of it would
+    # fill every parameter: seq_start_locs, seq_lengths,
+    # lora_indices_per_batch, batch_size, max_length, token_nums.
+    prefill_metadata: tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor, int, int, int
+    ]
+
     def _shrink_prefill(
         self,
         y: torch.Tensor,
