@@ -12,9 +12,10 @@ fi
 # shellcheck disable=SC1091
 . .venv/bin/activate
 
-# Always pin torch: an unpinned torch pulls a multi-GB CUDA build.
+# Always pin torch: an unpinned torch pulls a multi-GB CUDA build. mypy is
+# pinned (as in pyproject.toml's test extras): a new release finds new errors.
 pip install -q -c constraints.txt torch setuptools wheel ninja \
-  pytest hypothesis expecttest numpy matplotlib tqdm ruff
+  pytest hypothesis expecttest numpy matplotlib tqdm ruff mypy==2.4.1
 # Built in place, incrementally (ninja, objects in build/): pip's editable
 # install would rebuild everything in a temporary directory on every run.
 # A .pth file puts the checkout on the venv's path instead.
