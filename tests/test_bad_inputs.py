@@ -86,6 +86,8 @@ def base_args(op: str) -> dict:
         return args
     if op in SHRINK_OPS:
         x, w, out = _randn(T, H), _randn(L, R, H), _nan(T, R)
+    elif op.endswith("_slice"):  # The weights fill the slice, as vLLM's.
+        x, w, out = _randn(T, R), _randn(L, H - 4, R), _nan(T, H)
     else:
         x, w, out = _randn(T, R), _randn(L, H, R), _nan(T, H)
     args = {"inputs": x, weights_name(op): w, "output_tensor": out}
@@ -353,6 +355,12 @@ def vllm_entries(op: str) -> list[Bad]:
         entries += [
             Bad(
                 op,
+                "slice_size_not_weight_rows",
+                _set(slice_size=H - 5),
+                ("slice_size",),
+            ),
+            Bad(
+                op,
                 "slice_past_end",
                 _set(slice_offset=H - 3),
                 ("slice_offset",),
@@ -448,6 +456,12 @@ def vllm_entries(op: str) -> list[Bad]:
             ),
             Bad(
                 op,
+                "index_too_long",
+                _set(lora_indices_tensor=_idx(0, 0, 0, 0, 0)),
+                name,
+            ),
+            Bad(
+                op,
                 "index_on_meta",
                 _set(lora_indices_tensor=_idx(0, 0, 0, 0).to("meta")),
                 (*name, "Meta", "meta"),
@@ -478,6 +492,12 @@ def vllm_entries(op: str) -> list[Bad]:
             Bad(op, "index_too_short", _set(lora_indices_tensor=_idx(0)), lora),
             Bad(
                 op,
+                "index_too_long",
+                _set(lora_indices_tensor=_idx(0, 1, 0)),
+                lora,
+            ),
+            Bad(
+                op,
                 "start_past_end",
                 _set(b_seq_start_loc=_idx(0, T + 1), seq_len_tensor=_idx(2, 0)),
                 starts,
@@ -489,18 +509,53 @@ def vllm_entries(op: str) -> list[Bad]:
                 op,
                 "segment_past_end",
                 _set(b_seq_start_loc=_idx(0, T - 1)),
+                starts + lens,
+            ),
+            Bad(
+                op,
+                "start_not_back_to_back",
+                _set(b_seq_start_loc=_idx(0, 3)),
+                starts,
+            ),
+            Bad(
+                op,
+                "segments_do_not_cover_inputs",
+                _set(seq_len_tensor=_idx(2, 1)),
                 lens,
+            ),
+            Bad(
+                op,
+                "segments_cover_more_than_inputs",
+                _set(b_seq_start_loc=_idx(0, 3), seq_len_tensor=_idx(3, 3)),
+                lens,
+            ),
+            Bad(
+                op,
+                "lengths_longer_than_batches",
+                _set(seq_len_tensor=_idx(2, 2, 0)),
+                lens,
+            ),
+            Bad(
+                op,
+                "batches_zero_with_tokens",
+                _set(batches=0),
+                starts + ("batches",),
             ),
             Bad(op, "length_negative", _set(seq_len_tensor=_idx(2, -1)), lens),
             Bad(
                 op, "length_too_big", _set(seq_len_tensor=_idx(T + 1, 0)), lens
             ),
-            Bad(op, "segments_overlap", _set(b_seq_start_loc=_idx(0, 1)), lens),
+            Bad(
+                op,
+                "segments_overlap",
+                _set(b_seq_start_loc=_idx(0, 1)),
+                starts + lens,
+            ),
             Bad(
                 op,
                 "segments_overlap_unsorted",
                 _set(b_seq_start_loc=_idx(2, 0), seq_len_tensor=_idx(2, 3)),
-                lens,
+                starts + lens,
             ),
             Bad(op, "batches_past_tensors", _set(batches=3), starts),
             Bad(op, "batches_negative", _set(batches=-1), ("batches",)),

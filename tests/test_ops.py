@@ -103,11 +103,7 @@ def make_output(shape, dtype, gen, add, integers=False) -> torch.Tensor:
 
 
 def bgmv_indices(batch, loras, pattern, gen, dtype) -> torch.Tensor:
-    """Per-row adapter indices (-1: no LoRA) following `pattern`.
-
-    "mixed" indices carry extra out-of-range entries past the batch: only
-    the first `batch` entries may be read.
-    """
+    """Per-row adapter indices (-1: no LoRA) following `pattern`."""
     if pattern == "none":
         values = torch.full((batch,), -1)
     elif pattern == "same":
@@ -123,7 +119,6 @@ def bgmv_indices(batch, loras, pattern, gen, dtype) -> torch.Tensor:
             rows = torch.randperm(batch, generator=gen)
             values[rows[0]] = -1
             values[rows[1]] = _randint(0, loras, gen)
-        values = torch.cat([values, torch.full((3,), loras + 5)])
     else:
         raise ValueError(pattern)
     return values.to(dtype)
@@ -166,62 +161,49 @@ class Segments:
 
 
 def sgmv_segments(tokens, loras, pattern, gen, dtype) -> Segments:
-    """Segments over `tokens` tokens following `pattern`, listed in a
-    shuffled order (the kernel must not assume sorted starts).
+    """Segments over `tokens` tokens following `pattern`, back to back from
+    token 0 and covering every token, as vLLM's ops require.
 
-    "none": every segment has adapter -1; "same": one adapter, every token
-    covered; "distinct": random adapters, every token covered; "mixed":
-    adapters, a -1 segment, tokens covered by no segment, an empty segment,
-    and an extra entry past `batches` that must not be read; "decode": one
-    segment per token, adapters taken in turn with every fifth -1 (how vLLM's
-    CPU runner calls sgmv for a decode step).
+    "none": every segment has adapter -1; "same": one adapter; "distinct":
+    random adapters; "mixed": adapters, -1 segments and an empty segment;
+    "decode": one segment per token, adapters taken in turn with every fifth
+    -1 (how vLLM's CPU runner calls sgmv for a decode step).
     """
     if pattern == "decode":
-        segments = [
-            (t, 1, -1 if t % 5 == 4 else t % loras) for t in range(tokens)
-        ]
-        order = torch.randperm(tokens, generator=gen).tolist()
-        columns = zip(*[segments[i] for i in order], strict=True)
-        starts, lengths, adapters = (
-            torch.tensor(c, dtype=dtype) for c in columns
-        )
-        return Segments(starts, lengths, adapters, tokens, 1)
-    pieces = min(tokens, 5)
-    cuts = []
-    if pieces > 1:
-        cuts = torch.randperm(tokens - 1, generator=gen)[: pieces - 1] + 1
-        cuts = sorted(cuts.tolist())
-    bounds = [0, *cuts, tokens] if tokens else [0]
-    same = _randint(0, loras, gen)
-    segments = []
-    for i, (start, stop) in enumerate(itertools.pairwise(bounds)):
-        if pattern == "none":
-            adapter = -1
-        elif pattern == "same":
-            adapter = same
-        elif pattern == "distinct":
-            adapter = _randint(0, loras, gen)
-        elif pattern == "mixed":
-            role = i % 3
-            if role == 1:
-                continue  # Tokens covered by no segment.
-            adapter = _randint(0, loras, gen) if role == 0 else -1
-        else:
-            raise ValueError(pattern)
-        segments.append((start, stop - start, adapter))
-    if pattern == "mixed" or not segments:
-        adapter = -1 if pattern == "none" else _randint(0, loras, gen)
-        segments.append((_randint(0, tokens + 1, gen), 0, adapter))
-    order = torch.randperm(len(segments), generator=gen).tolist()
-    segments = [segments[i] for i in order]
-    batches = len(segments)
-    max_seq_length = max(length for _, length, _ in segments)
-    if pattern == "mixed":
-        # Would overwrite every token with adapter 0 if it were read.
-        segments.append((0, tokens, 0))
-    columns = zip(*segments, strict=True)
-    starts, lengths, adapters = (torch.tensor(c, dtype=dtype) for c in columns)
-    return Segments(starts, lengths, adapters, batches, max_seq_length)
+        segments = [(1, -1 if t % 5 == 4 else t % loras) for t in range(tokens)]
+    else:
+        pieces = min(tokens, 5)
+        cuts = []
+        if pieces > 1:
+            cuts = torch.randperm(tokens - 1, generator=gen)[: pieces - 1] + 1
+            cuts = sorted(cuts.tolist())
+        bounds = [0, *cuts, tokens] if tokens else [0, 0]
+        same = _randint(0, loras, gen)
+        segments = []
+        for i, (start, stop) in enumerate(itertools.pairwise(bounds)):
+            if pattern == "none":
+                adapter = -1
+            elif pattern == "same":
+                adapter = same
+            elif pattern == "distinct":
+                adapter = _randint(0, loras, gen)
+            elif pattern == "mixed":
+                adapter = _randint(0, loras, gen) if i % 3 != 1 else -1
+            else:
+                raise ValueError(pattern)
+            segments.append((stop - start, adapter))
+        if pattern == "mixed":
+            at = _randint(0, len(segments) + 1, gen)
+            segments.insert(at, (0, _randint(0, loras, gen)))
+    lengths = [length for length, _ in segments]
+    starts = list(itertools.accumulate(lengths, initial=0))[:-1]
+    return Segments(
+        torch.tensor(starts, dtype=dtype),
+        torch.tensor(lengths, dtype=dtype),
+        torch.tensor([adapter for _, adapter in segments], dtype=dtype),
+        len(segments),
+        max(lengths, default=0),
+    )
 
 
 # --------------------------------------------------------------- calls --
@@ -319,9 +301,16 @@ def expand_call(
     """bgmv/sgmv_expand(_slice): out[:, off:off+n] (+)= x @ B.T.
 
     For the slice ops the slice defaults to the last `slice_size` columns
-    (default: the lesser of w_rows and out_width - 2).
+    (default: the lesser of w_rows and out_width - 2), and the weights have
+    `slice_size` rows, as vLLM's ops require.
     """
     x_dtype, w_dtype, out_dtype = dtypes
+    if op.endswith("_slice"):
+        if slice_size is None:
+            slice_size = max(0, min(w_rows, out_width - 2))
+        if slice_offset is None:
+            slice_offset = out_width - slice_size
+        w_rows = slice_size
     x = make_values((batch, rank), x_dtype, gen, integers)
     w_shape = (loras, 1, w_rows, rank) if w4d else (loras, w_rows, rank)
     w = make_values(w_shape, w_dtype, gen, integers)
@@ -333,10 +322,6 @@ def expand_call(
         segments = sgmv_segments(batch, loras, pattern, gen, index_dtype)
         args = [x, w, out, *segments.args(batch)]
     if op.endswith("_slice"):
-        if slice_size is None:
-            slice_size = max(0, min(w_rows, out_width - 2))
-        if slice_offset is None:
-            slice_offset = out_width - slice_size
         args += [slice_offset, slice_size]
     args.append(add)
     return Call(op, args, 2, 0, 1, None, rank, add)
@@ -1038,7 +1023,8 @@ def test_sgmv_decode_segments(op, rank, isa):
 
 @pytest.mark.parametrize("op", ("sgmv_shrink", "sgmv_expand_slice"))
 def test_sgmv_no_segments(op, isa):
-    """batches == 0 touches nothing, not even shrink's -1 zeroing."""
+    """No tokens and batches == 0 is a valid call that writes nothing (with
+    tokens, segments must cover them: tests/test_bad_inputs.py)."""
     gen = make_generator("no_segments", op)
     builder = shrink_call if op == "sgmv_shrink" else expand_call
     sizes = (
@@ -1049,15 +1035,14 @@ def test_sgmv_no_segments(op, isa):
     call = builder(
         op,
         (F32, F32, F32),
-        batch=6,
+        batch=0,
         loras=2,
-        pattern="same",
+        pattern="decode",
         gen=gen,
         **sizes,
     )
-    call.args[6] = 0  # batches
+    assert call.args[6] == 0  # batches
     check(call, isa)
-    assert call.output.isnan().all()
 
 
 @pytest.mark.parametrize("op", ("bgmv_shrink", *EXPAND_OPS))
@@ -1304,11 +1289,11 @@ def _lora_model(x, a, b, buf, out, idx, starts, lengths, adapters, y, w):
     tokens = x.size(0)
     ops.bgmv_shrink(x, a, buf, idx, 0.5)
     ops.bgmv_expand(buf, b, out, idx, True)
-    ops.bgmv_expand_slice(buf, b, out, idx, 10, 20, True)
-    ops.sgmv_shrink(x, a, buf, starts, lengths, adapters, 3, 5, tokens, 2.0)
-    ops.sgmv_expand(buf, b, out, starts, lengths, adapters, 3, 5, tokens)
+    ops.bgmv_expand_slice(buf, b[:, :20], out, idx, 10, 20, True)
+    ops.sgmv_shrink(x, a, buf, starts, lengths, adapters, 3, 6, tokens, 2.0)
+    ops.sgmv_expand(buf, b, out, starts, lengths, adapters, 3, 6, tokens)
     ops.sgmv_expand_slice(
-        buf, b, out, starts, lengths, adapters, 3, 5, tokens, 30, 9, True
+        buf, b[:, :9], out, starts, lengths, adapters, 3, 6, tokens, 30, 9, True
     )
     ops.dispatch_bgmv(y, x, w, idx, 1, 0.25)
     ops.dispatch_bgmv_low_level(y, buf, b.unsqueeze(1), idx, 0, 1.5, 4, 5, 2)
@@ -1325,8 +1310,8 @@ def _model_inputs():
         torch.zeros(tokens, rank),  # buf
         make_values((tokens, width), BF16, gen),  # out
         torch.tensor([0, 2, -1, 1, 1, 0, -1, 2, 2, 0, 1]),  # idx
-        torch.tensor([6, 0, 3]),  # starts
-        torch.tensor([5, 3, 0]),  # lengths
+        torch.tensor([0, 5, 11]),  # starts
+        torch.tensor([5, 6, 0]),  # lengths
         torch.tensor([1, -1, 2]),  # adapters
         make_values((tokens, rank + 3), F32, gen),  # y
         make_values((loras, 2, rank + 3, hidden), BF16, gen),  # w

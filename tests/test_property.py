@@ -54,8 +54,8 @@ PATTERNS = ("none", "same", "distinct", "runs", "random")
 # a transposed buffer (column stride != 1).
 X_LAYOUTS = ("contiguous", "padded", "transposed")
 
-# Entries appended past those an op may read: out of range, so reading one
-# fails or writes something the oracle does not.
+# The entries between those of a strided index tensor: out of range, so
+# reading one fails or writes something the oracle does not.
 GARBAGE = 1000
 
 PROPERTY_SETTINGS = settings(
@@ -106,7 +106,6 @@ class Spec:
         seed: Seed of the operand values and of the index pattern.
         pattern: Index pattern (bgmv and dispatch ops), see PATTERNS.
         segments: sgmv (start, length, adapter) in call order.
-        extra_entries: Index entries past those the op may read.
         slice_offset: Slice ops: first output column.
         slice_size: Slice ops: slice width.
         add: Expand ops: add to the output instead of overwriting it.
@@ -135,7 +134,6 @@ class Spec:
     seed: int = 0
     pattern: str = "random"
     segments: tuple = ()
-    extra_entries: int = 0
     slice_offset: int = 0
     slice_size: int = 0
     add: bool = False
@@ -158,32 +156,25 @@ dtype_st = st.sampled_from(DTYPES)
 
 @st.composite
 def sgmv_segments(draw, loras: int, big: bool):
-    """(tokens, segments): pieces of the token range, each a segment with an
-    adapter, a -1 segment or a gap no segment covers, plus empty segments,
-    shuffled."""
+    """(tokens, segments): segments back to back from token 0 covering every
+    token, as vLLM's ops require, each with an adapter or -1, some empty."""
     pieces = draw(
         st.lists(
-            st.tuples(
-                st.integers(0, 12), st.sampled_from(("lora", "none", "gap"))
-            ),
+            st.tuples(st.integers(0, 12), st.integers(-1, loras - 1)),
             max_size=6,
         )
     )
     if big:
-        pieces.insert(0, (draw(st.integers(64, 80)), "lora"))
+        pieces.insert(0, (draw(st.integers(64, 80)), 0))
+    for _ in range(draw(st.integers(0, 2))):
+        at = draw(st.integers(0, len(pieces)))
+        pieces.insert(at, (0, draw(st.integers(-1, loras - 1))))
     segments = []
     start = 0
-    for length, role in pieces:
-        if role == "lora":
-            segments.append((start, length, draw(st.integers(0, loras - 1))))
-        elif role == "none":
-            segments.append((start, length, -1))
+    for length, adapter in pieces:
+        segments.append((start, length, adapter))
         start += length
-    tokens = start + draw(st.integers(0, 3))  # Uncovered tail.
-    for _ in range(draw(st.integers(0, 2))):
-        adapter = draw(st.integers(-1, loras - 1))
-        segments.append((draw(st.integers(0, tokens)), 0, adapter))
-    return tokens, tuple(draw(st.permutations(segments)))
+    return start, tuple(segments)
 
 
 @st.composite
@@ -199,8 +190,6 @@ def specs(draw, op: str) -> Spec:
         "index_dtype": draw(st.sampled_from((I32, I64))),
         "loras": loras,
         "seed": draw(st.integers(0, 2**32 - 1)),
-        # The legacy dispatch ops' reference reads the whole index tensor.
-        "extra_entries": 0 if op in DISPATCH_OPS else draw(st.integers(0, 2)),
         "x_layout": draw(st.sampled_from(X_LAYOUTS)),
         "w_padded": draw(st.booleans()),
         "out_padded": draw(st.booleans()),
@@ -231,10 +220,9 @@ def specs(draw, op: str) -> Spec:
         fields.update(k=k, n=n, add=draw(st.booleans()))
         fields["w4d"] = draw(st.booleans())
         if op.endswith("_slice"):
-            width = draw(st.integers(0, n + 40))
-            size = draw(
-                st.one_of(st.just(min(n, width)), st.integers(0, width))
-            )
+            # vLLM's slice ops need slice_size equal to the weight rows.
+            width = draw(st.integers(n, n + 40))
+            size = n
             at_end = draw(st.booleans())
             offset = (
                 width - size if at_end else draw(st.integers(0, width - size))
@@ -279,12 +267,12 @@ def outputs_st(k: int):
 # Spec; "segments" is used by the sgmv ops, "pattern" by the others.
 _BF16 = (BF16, BF16, BF16)  # With >= 16 tokens per adapter: AMX tiles.
 _MIXED = (F32, BF16, BF16)  # fp32 inputs rounded to bf16 (oracle.py).
-_TRICKY_SEGMENTS = (  # Unsorted; -1, empty (one at the very end) and gaps.
-    (9, 4, 1),
+_TRICKY_SEGMENTS = (  # -1, empty (one at the very end), one adapter twice.
     (0, 3, -1),
-    (14, 0, 0),
     (3, 0, 1),
-    (5, 4, 0),
+    (3, 6, 0),
+    (9, 5, 1),
+    (14, 0, 0),
 )
 _EDGE_CASES = {
     # (k = hidden, n = rank): H not a multiple of any vector width, rank 1,
@@ -350,9 +338,9 @@ def edge_specs(op: str) -> list[Spec]:
         if family == "shrink":
             fields["width"] = fields["n"] + 1
         if op.endswith("_slice"):
-            # A slice at the end of a wider output, clipped like expand.
-            size = min(fields["n"], fields["width"])
-            fields["width"] += 3
+            # A slice of the weights' rows at the end of a wider output.
+            size = fields["n"]
+            fields["width"] = max(fields["width"], size) + 3
             fields.update(slice_offset=fields["width"] - size, slice_size=size)
         if family == "dispatch":
             fields.update(layers=2, layer=1, width=fields["n"] + 1)
@@ -361,8 +349,8 @@ def edge_specs(op: str) -> list[Spec]:
                 fields["width"] += 3
         specs_.append(Spec(**fields))
     if op.endswith("_slice"):
-        # Slices in the middle: wider than the weights, and narrower.
-        for seed, size in ((100, 30), (101, 10)):
+        # Slices in the middle, and at the start.
+        for seed, offset in ((100, 7), (101, 0)):
             specs_.append(
                 Spec(
                     op=op,
@@ -370,8 +358,8 @@ def edge_specs(op: str) -> list[Spec]:
                     k=8,
                     n=20,
                     width=50,
-                    slice_offset=7,
-                    slice_size=size,
+                    slice_offset=offset,
+                    slice_size=20,
                     seed=seed,
                     segments=((0, 6, 1),) if op.startswith("sgmv") else (),
                 )
@@ -418,8 +406,7 @@ def _inputs(spec: Spec, gen) -> torch.Tensor:
 
 
 def _index_tensor(values: list, spec: Spec) -> torch.Tensor:
-    """`values` then spec.extra_entries garbage entries, as spec says."""
-    values = list(values) + [GARBAGE] * spec.extra_entries
+    """`values` as an index tensor, strided if spec says so."""
     tensor = torch.tensor(values, dtype=spec.index_dtype)
     if spec.strided_index:
         spread = torch.full((2 * len(values),), GARBAGE, dtype=tensor.dtype)

@@ -6,10 +6,16 @@ one weight matrix per token, batched GEMV) with vLLM 0.33's semantics:
 * index ``-1`` means "no LoRA": shrink writes zeros for such rows, expand
   leaves them untouched (also when ``add_inputs=False``);
 * expand writes ``min(weight rows, output width)`` columns because adapter and
-  model may pad differently;
-* the sgmv forms apply segment ``i`` (tokens ``b_seq_start_loc[i]`` to
-  ``b_seq_start_loc[i] + seq_len_tensor[i]``) to adapter
-  ``lora_indices_tensor[i]``; tokens outside every segment are not touched.
+  model may pad differently; expand_slice needs ``slice_size`` equal to the
+  weight rows;
+* the bgmv forms take one index per row of ``inputs``;
+* the sgmv forms apply segment ``i``, the next ``seq_len_tensor[i]`` tokens,
+  to adapter ``lora_indices_tensor[i]``: the segments run back to back and
+  cover every row of ``inputs`` (vLLM's ops read neither ``b_seq_start_loc``
+  nor ``batches``).
+
+Where vLLM's ops raise, these raise too (a ``RuntimeError`` naming the
+argument).
 
 Arithmetic is done in float32 (float64 if the output is float64) and rounded
 once to the output dtype, so the functions are device- and dtype-agnostic and
@@ -48,6 +54,15 @@ def _gather_matvec(inputs, weights, indices, dtype):
     return rows, products
 
 
+def _indices(lora_indices_tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    if lora_indices_tensor.numel() != rows:
+        raise RuntimeError(
+            f"lora_indices_tensor has {lora_indices_tensor.numel()} entries, "
+            f"expected {rows} (one per row of inputs)"
+        )
+    return lora_indices_tensor.long()
+
+
 def bgmv_shrink(
     inputs: torch.Tensor,
     lora_a_weights: torch.Tensor,
@@ -60,13 +75,33 @@ def bgmv_shrink(
     weights = _as_3d(lora_a_weights)
     rank = weights.size(1)
     dtype = _compute_dtype(output_tensor.dtype)
-    indices = lora_indices_tensor[: inputs.size(0)].long()
+    indices = _indices(lora_indices_tensor, inputs.size(0))
     rows, products = _gather_matvec(inputs, weights, indices, dtype)
     result = torch.zeros(
         inputs.size(0), rank, dtype=dtype, device=output_tensor.device
     )
     result[rows] = scaling * products
     output_tensor[:, :rank] = result.to(output_tensor.dtype)
+
+
+def _expand(
+    inputs: torch.Tensor,
+    weights: torch.Tensor,
+    output_tensor: torch.Tensor,
+    lora_indices_tensor: torch.Tensor,
+    slice_offset: int,
+    width: int,
+    add_inputs: bool,
+) -> None:
+    """``out[b, off:off+width] (+)= inputs[b] @ B[idx[b], :width].T``; rows
+    with idx -1 are left untouched."""
+    dtype = _compute_dtype(output_tensor.dtype)
+    indices = _indices(lora_indices_tensor, inputs.size(0))
+    rows, products = _gather_matvec(inputs, weights[:, :width], indices, dtype)
+    target = output_tensor[:, slice_offset : slice_offset + width]
+    if add_inputs:
+        products = products + target[rows].to(dtype)
+    target[rows] = products.to(output_tensor.dtype)
 
 
 def bgmv_expand_slice(
@@ -78,17 +113,23 @@ def bgmv_expand_slice(
     slice_size: int,
     add_inputs: bool = True,
 ) -> None:
-    """``out[b, off:off+n] (+)= inputs[b] @ B[idx[b]].T`` with
-    ``n = min(B rows, slice_size)``; rows with idx -1 are left untouched."""
+    """``out[b, off:off+size] (+)= inputs[b] @ B[idx[b]].T``, B having
+    ``slice_size`` rows; rows with idx -1 are left untouched."""
     weights = _as_3d(lora_b_weights)
-    width = min(weights.size(1), slice_size)
-    dtype = _compute_dtype(output_tensor.dtype)
-    indices = lora_indices_tensor[: inputs.size(0)].long()
-    rows, products = _gather_matvec(inputs, weights[:, :width], indices, dtype)
-    target = output_tensor[:, slice_offset : slice_offset + width]
-    if add_inputs:
-        products = products + target[rows].to(dtype)
-    target[rows] = products.to(output_tensor.dtype)
+    if weights.size(1) != slice_size:
+        raise RuntimeError(
+            f"slice_size {slice_size} differs from the {weights.size(1)} "
+            "rows of lora_b_weights"
+        )
+    _expand(
+        inputs,
+        weights,
+        output_tensor,
+        lora_indices_tensor,
+        slice_offset,
+        slice_size,
+        add_inputs,
+    )
 
 
 def bgmv_expand(
@@ -100,23 +141,40 @@ def bgmv_expand(
 ) -> None:
     """``out[b, :n] (+)= inputs[b] @ B[idx[b]].T``, ``n = min(B rows, out
     width)``; rows with idx -1 are left untouched."""
-    bgmv_expand_slice(
+    weights = _as_3d(lora_b_weights)
+    width = min(weights.size(1), output_tensor.size(1))
+    _expand(
         inputs,
-        lora_b_weights,
+        weights,
         output_tensor,
         lora_indices_tensor,
         0,
-        output_tensor.size(1),
+        width,
         add_inputs,
     )
 
 
-def _segments(b_seq_start_loc, seq_len_tensor, lora_indices_tensor, batches):
-    starts = b_seq_start_loc[:batches].tolist()
-    lengths = seq_len_tensor[:batches].tolist()
-    indices = lora_indices_tensor[:batches]
-    for i in range(batches):
-        yield slice(starts[i], starts[i] + lengths[i]), indices[i : i + 1]
+def _token_indices(
+    inputs: torch.Tensor,
+    seq_len_tensor: torch.Tensor,
+    lora_indices_tensor: torch.Tensor,
+) -> torch.Tensor:
+    """The adapter of every token: segment i's for its seq_len_tensor[i]
+    tokens, the segments back to back (as vLLM's ops)."""
+    if seq_len_tensor.numel() != lora_indices_tensor.numel():
+        raise RuntimeError(
+            f"seq_len_tensor has {seq_len_tensor.numel()} entries but "
+            f"lora_indices_tensor has {lora_indices_tensor.numel()}"
+        )
+    if bool((seq_len_tensor < 0).any()):
+        raise RuntimeError("seq_len_tensor has a negative length")
+    total = int(seq_len_tensor.sum())
+    if total != inputs.size(0):
+        raise RuntimeError(
+            f"seq_len_tensor sums to {total} tokens but inputs has "
+            f"{inputs.size(0)} rows: the segments must cover every row"
+        )
+    return torch.repeat_interleave(lora_indices_tensor, seq_len_tensor)
 
 
 def sgmv_shrink(
@@ -131,19 +189,10 @@ def sgmv_shrink(
     token_nums: int,
     scaling: float,
 ) -> None:
-    """bgmv_shrink applied segment by segment."""
-    del max_seq_length, token_nums  # Hints only.
-    for rows, index in _segments(
-        b_seq_start_loc, seq_len_tensor, lora_indices_tensor, batches
-    ):
-        count = rows.stop - rows.start
-        bgmv_shrink(
-            inputs[rows],
-            lora_a_weights,
-            output_tensor[rows],
-            index.expand(count),
-            scaling,
-        )
+    """bgmv_shrink with each segment's adapter for its tokens."""
+    del b_seq_start_loc, batches, max_seq_length, token_nums  # vLLM's too.
+    indices = _token_indices(inputs, seq_len_tensor, lora_indices_tensor)
+    bgmv_shrink(inputs, lora_a_weights, output_tensor, indices, scaling)
 
 
 def sgmv_expand_slice(
@@ -160,21 +209,18 @@ def sgmv_expand_slice(
     slice_size: int,
     add_inputs: bool = False,
 ) -> None:
-    """bgmv_expand_slice applied segment by segment."""
-    del max_seq_length, token_nums  # Hints only.
-    for rows, index in _segments(
-        b_seq_start_loc, seq_len_tensor, lora_indices_tensor, batches
-    ):
-        count = rows.stop - rows.start
-        bgmv_expand_slice(
-            inputs[rows],
-            lora_b_weights,
-            output_tensor[rows],
-            index.expand(count),
-            slice_offset,
-            slice_size,
-            add_inputs,
-        )
+    """bgmv_expand_slice with each segment's adapter for its tokens."""
+    del b_seq_start_loc, batches, max_seq_length, token_nums  # vLLM's too.
+    indices = _token_indices(inputs, seq_len_tensor, lora_indices_tensor)
+    bgmv_expand_slice(
+        inputs,
+        lora_b_weights,
+        output_tensor,
+        indices,
+        slice_offset,
+        slice_size,
+        add_inputs,
+    )
 
 
 def sgmv_expand(
@@ -189,21 +235,10 @@ def sgmv_expand(
     token_nums: int,
     add_inputs: bool = False,
 ) -> None:
-    """bgmv_expand applied segment by segment."""
-    sgmv_expand_slice(
-        inputs,
-        lora_b_weights,
-        output_tensor,
-        b_seq_start_loc,
-        seq_len_tensor,
-        lora_indices_tensor,
-        batches,
-        max_seq_length,
-        token_nums,
-        0,
-        output_tensor.size(1),
-        add_inputs,
-    )
+    """bgmv_expand with each segment's adapter for its tokens."""
+    del b_seq_start_loc, batches, max_seq_length, token_nums  # vLLM's too.
+    indices = _token_indices(inputs, seq_len_tensor, lora_indices_tensor)
+    bgmv_expand(inputs, lora_b_weights, output_tensor, indices, add_inputs)
 
 
 def dispatch_bgmv_low_level(

@@ -31,7 +31,8 @@ auto BgmvTokens(const at::Tensor& inputs,
   return [&](int64_t num_adapters) {
     return GroupByAdapter(
         ReadIndices(lora_indices_tensor, "lora_indices_tensor", inputs.size(0),
-                    -1, num_adapters - 1, kLoraRange),
+                    "(one per row of inputs)", -1, num_adapters - 1,
+                    kLoraRange),
         num_adapters);
   };
 }
@@ -68,18 +69,24 @@ void Shrink(const at::Tensor& inputs, const at::Tensor& lora_a_weights,
 }
 
 // output_tensor[t, slice_offset + n] (+)= inputs[t] . lora_b_weights[a(t), n]
-// for n < min(weight rows, slice_size); rows with a(t) = -1 untouched.
+// for n < the weight rows; rows with a(t) = -1 untouched. `exact_slice`
+// (the *_expand_slice ops): the weight rows must be slice_size, as vLLM's
+// ops require; else (the *_expand ops) the slice is clipped to them, as
+// adapter and model may pad differently.
 template <class GroupTokens>
 void ExpandSlice(const at::Tensor& inputs, const at::Tensor& lora_b_weights,
                  const at::Tensor& output_tensor,
                  const at::Tensor& lora_indices_tensor, int64_t slice_offset,
-                 int64_t slice_size, bool add_inputs, GroupTokens group) {
+                 int64_t slice_size, bool exact_slice, bool add_inputs,
+                 GroupTokens group) {
   Weights w;
   Product p = Prepare(inputs, "inputs", lora_b_weights, "lora_b_weights",
                       output_tensor, "output_tensor", lora_indices_tensor, &w);
   TORCH_CHECK(FitsIn(slice_offset, slice_size, output_tensor.size(1)),
               "slice_offset ", slice_offset, " and slice_size ", slice_size,
               " do not fit in output_tensor of width ", output_tensor.size(1));
+  TORCH_CHECK(!exact_slice || slice_size == w.rows, "slice_size ", slice_size,
+              " differs from the ", w.rows, " rows of lora_b_weights");
   const Grouping g = group(w.num_adapters);
   p.col0 = slice_offset;
   p.n = std::min(w.rows, slice_size);
@@ -109,16 +116,16 @@ void BgmvExpandSlice(const at::Tensor& inputs, const at::Tensor& lora_b_weights,
                      int64_t slice_offset, int64_t slice_size,
                      bool add_inputs) {
   ExpandSlice(inputs, lora_b_weights, output_tensor, lora_indices_tensor,
-              slice_offset, slice_size, add_inputs,
+              slice_offset, slice_size, /*exact_slice=*/true, add_inputs,
               BgmvTokens(inputs, lora_indices_tensor));
 }
 
 void BgmvExpand(const at::Tensor& inputs, const at::Tensor& lora_b_weights,
                 const at::Tensor& output_tensor,
                 const at::Tensor& lora_indices_tensor, bool add_inputs) {
-  const int64_t width = OutputWidth(output_tensor);
-  BgmvExpandSlice(inputs, lora_b_weights, output_tensor, lora_indices_tensor, 0,
-                  width, add_inputs);
+  ExpandSlice(inputs, lora_b_weights, output_tensor, lora_indices_tensor, 0,
+              OutputWidth(output_tensor), /*exact_slice=*/false, add_inputs,
+              BgmvTokens(inputs, lora_indices_tensor));
 }
 
 namespace {
@@ -146,7 +153,7 @@ void SgmvExpandSlice(const at::Tensor& inputs, const at::Tensor& lora_b_weights,
                      int64_t slice_offset, int64_t slice_size,
                      bool add_inputs) {
   ExpandSlice(inputs, lora_b_weights, output_tensor, lora_indices_tensor,
-              slice_offset, slice_size, add_inputs,
+              slice_offset, slice_size, /*exact_slice=*/true, add_inputs,
               SgmvTokens(inputs, b_seq_start_loc, seq_len_tensor,
                          lora_indices_tensor, batches));
 }
@@ -156,11 +163,12 @@ void SgmvExpand(const at::Tensor& inputs, const at::Tensor& lora_b_weights,
                 const at::Tensor& b_seq_start_loc,
                 const at::Tensor& seq_len_tensor,
                 const at::Tensor& lora_indices_tensor, int64_t batches,
-                int64_t max_seq_length, int64_t token_nums, bool add_inputs) {
-  const int64_t width = OutputWidth(output_tensor);
-  SgmvExpandSlice(inputs, lora_b_weights, output_tensor, b_seq_start_loc,
-                  seq_len_tensor, lora_indices_tensor, batches, max_seq_length,
-                  token_nums, 0, width, add_inputs);
+                int64_t /*max_seq_length*/, int64_t /*token_nums*/,
+                bool add_inputs) {
+  ExpandSlice(inputs, lora_b_weights, output_tensor, lora_indices_tensor, 0,
+              OutputWidth(output_tensor), /*exact_slice=*/false, add_inputs,
+              SgmvTokens(inputs, b_seq_start_loc, seq_len_tensor,
+                         lora_indices_tensor, batches));
 }
 
 // Legacy punica: y[:, y_offset:y_offset+h_out] += scale * x[:, :h_in] @
@@ -191,9 +199,12 @@ void DispatchBgmvLowLevel(const at::Tensor& y, const at::Tensor& x,
   Weights wv;
   Product p = Prepare(x_in, "x", w3, "w", y, "y", indicies, &wv);
   CheckNoOverlap(y, "y", w, "w");
-  auto indices = ReadIndices(indicies, "indicies", x.size(0),
-                             std::numeric_limits<int64_t>::min(),
-                             wv.num_adapters - 1, " (negative skips the row)");
+  // Entries past x's rows are not read (no vLLM op defines this one).
+  const bool longer = indicies.dim() == 1 && indicies.size(0) > x.size(0);
+  auto indices = ReadIndices(
+      longer ? indicies.narrow(0, 0, x.size(0)) : indicies, "indicies",
+      x.size(0), "(one per row of x)", std::numeric_limits<int64_t>::min(),
+      wv.num_adapters - 1, " (negative skips the row)");
   for (int64_t& i : indices) i = std::max<int64_t>(i, -1);
   const Grouping g = GroupByAdapter(indices, wv.num_adapters);
   p.col0 = y_offset;

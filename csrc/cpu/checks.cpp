@@ -3,11 +3,8 @@
 #include <ATen/MemoryOverlap.h>
 #include <c10/util/Exception.h>
 
-#include <algorithm>
 #include <cstdlib>
-#include <numeric>
 #include <utility>
-#include <vector>
 
 namespace vllm_cpu_lora {
 
@@ -67,13 +64,14 @@ at::Tensor Matrix(const at::Tensor& t, const char* name) {
 }
 
 IndexList ReadIndices(const at::Tensor& t, const char* name, int64_t count,
-                      int64_t lo, int64_t hi, const char* range_note) {
+                      const char* count_note, int64_t lo, int64_t hi,
+                      const char* range_note) {
   CheckCpu(t, name);
   TORCH_CHECK(t.scalar_type() == at::kLong || t.scalar_type() == at::kInt, name,
               " must be an int64 or int32 tensor, got ", t.scalar_type());
   TORCH_CHECK(t.dim() == 1, name, " must be 1-D, got shape ", t.sizes());
-  TORCH_CHECK(t.size(0) >= count, name, " has ", t.size(0),
-              " entries, fewer than the ", count, " needed");
+  TORCH_CHECK(t.size(0) == count, name, " has ", t.size(0),
+              " entries, expected ", count, " ", count_note);
   IndexList values(count);
   const int64_t stride = t.stride(0);
   if (t.scalar_type() == at::kLong) {
@@ -108,35 +106,28 @@ Segments ReadSegments(const at::Tensor& b_seq_start_loc,
                       const at::Tensor& lora_indices_tensor, int64_t batches,
                       int64_t num_tokens, int64_t num_adapters) {
   TORCH_CHECK(batches >= 0, "batches must be >= 0, got ", batches);
-  for (const auto& [t, name] :
-       {std::pair{&b_seq_start_loc, "b_seq_start_loc"},
-        std::pair{&seq_len_tensor, "seq_len_tensor"},
-        std::pair{&lora_indices_tensor, "lora_indices_tensor"}}) {
-    TORCH_CHECK(t->dim() != 1 || t->size(0) >= batches, "batches (", batches,
-                ") exceeds the ", t->size(0), " entries of ", name);
-  }
   Segments s;
-  s.start = ReadIndices(b_seq_start_loc, "b_seq_start_loc", batches, 0,
-                        num_tokens, " (token positions)");
-  s.len = ReadIndices(seq_len_tensor, "seq_len_tensor", batches, 0, num_tokens,
-                      " (segment lengths)");
-  s.lora = ReadIndices(lora_indices_tensor, "lora_indices_tensor", batches, -1,
-                       num_adapters - 1, kLoraRange);
-  std::vector<int64_t> order(batches);
-  std::iota(order.begin(), order.end(), 0);
-  std::sort(order.begin(), order.end(),
-            [&](int64_t a, int64_t b) { return s.start[a] < s.start[b]; });
-  int64_t prev = -1;
-  for (int64_t i : order) {
-    TORCH_CHECK(s.start[i] + s.len[i] <= num_tokens, "segment ", i,
-                " (b_seq_start_loc ", s.start[i], ", seq_len_tensor ", s.len[i],
-                ") runs past the ", num_tokens, " input tokens");
-    if (s.len[i] == 0) continue;
-    TORCH_CHECK(prev < 0 || s.start[i] >= s.start[prev] + s.len[prev],
-                "segments ", prev, " and ", i,
-                " overlap (b_seq_start_loc / seq_len_tensor)");
-    prev = i;
+  s.start = ReadIndices(b_seq_start_loc, "b_seq_start_loc", batches,
+                        "(batches)", 0, num_tokens, " (token positions)");
+  s.len = ReadIndices(seq_len_tensor, "seq_len_tensor", batches, "(batches)", 0,
+                      num_tokens, " (segment lengths)");
+  s.lora = ReadIndices(lora_indices_tensor, "lora_indices_tensor", batches,
+                       "(batches)", -1, num_adapters - 1, kLoraRange);
+  // vLLM's ops run the segments back to back from token 0 (they read no
+  // b_seq_start_loc) and need them to cover every input row.
+  int64_t next = 0;
+  for (int64_t i = 0; i < batches; ++i) {
+    TORCH_CHECK(s.start[i] == next, "b_seq_start_loc[", i, "] = ", s.start[i],
+                " but segment ", i, " must start at token ", next,
+                ": segments run back to back from token 0 (each start is the "
+                "sum of the seq_len_tensor entries before it)");
+    TORCH_CHECK(s.len[i] <= num_tokens - next, "seq_len_tensor[0..", i,
+                "] sums to more than the ", num_tokens, " rows of inputs");
+    next += s.len[i];
   }
+  TORCH_CHECK(next == num_tokens, "seq_len_tensor sums to ", next,
+              " tokens but inputs has ", num_tokens,
+              " rows: the segments must cover every row");
   return s;
 }
 

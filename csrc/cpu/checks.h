@@ -31,10 +31,12 @@ bool FitsIn(int64_t offset, int64_t size, int64_t width);
 // contiguous copy).
 at::Tensor Matrix(const at::Tensor& t, const char* name);
 
-// Reads `count` integer values of a 1-D CPU index tensor, checking each lies
-// in [lo, hi]. Nothing else is touched before all are checked.
+// Reads the values of a 1-D CPU index tensor of exactly `count` entries
+// (`count_note` says why, e.g. "(batches)"), checking each lies in [lo, hi].
+// Nothing else is touched before all are checked.
 IndexList ReadIndices(const at::Tensor& t, const char* name, int64_t count,
-                      int64_t lo, int64_t hi, const char* range_note);
+                      const char* count_note, int64_t lo, int64_t hi,
+                      const char* range_note);
 
 // Weights [L, rows, cols] (or [L, 1, rows, cols]) with a contiguous last
 // dimension.
@@ -45,7 +47,8 @@ struct Weights {
 
 Weights ViewWeights(const at::Tensor& w, const char* name);
 
-// The segments of an sgmv call, checked in bounds and pairwise disjoint.
+// The segments of an sgmv call, checked as vLLM's ops need them: `batches`
+// entries each, back to back from token 0, covering all num_tokens.
 Segments ReadSegments(const at::Tensor& b_seq_start_loc,
                       const at::Tensor& seq_len_tensor,
                       const at::Tensor& lora_indices_tensor, int64_t batches,
