@@ -102,8 +102,9 @@ def _run_spec(spec: dict[str, Any]) -> dict[str, Any]:
     spec keys: ``model``; ``adapters`` (name -> path; IDs follow the order);
     ``batches``: lists of [prompt, adapter name or null]; ``max_tokens``;
     ``dtype``; ``max_lora_rank``; ``max_loras``; optional ``warmup`` (a
-    batch run first, untimed). Errors in building the engine or generating
-    are returned as ``{"error": "Type: message"}``.
+    batch run first, untimed) and ``ignore_eos`` (default true: every
+    completion has ``max_tokens`` tokens). Errors in building the engine
+    or generating are returned as ``{"error": "Type: message"}``.
     """
     from vllm import LLM, SamplingParams
     from vllm.lora.request import LoRARequest
@@ -116,7 +117,9 @@ def _run_spec(spec: dict[str, Any]) -> dict[str, Any]:
         for i, (name, path) in enumerate(spec["adapters"].items())
     }
     params = SamplingParams(
-        temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True
+        temperature=0.0,
+        max_tokens=spec["max_tokens"],
+        ignore_eos=spec.get("ignore_eos", True),
     )
     t0 = time.perf_counter()
     try:
