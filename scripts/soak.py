@@ -74,12 +74,11 @@ CHURNED = ("lora-7", "lora-8")
 _UNLOADED_S = 0.3
 _LOADED_S = 0.7
 _RSS_PERIOD_S = 1.0
-# The server's RSS may move this much after warm-up. Its processes hold
-# ~2 GiB; allocator pools, Python's heap and the adapters vLLM reads back
-# from disk as its CPU cache evicts them move it by a few MiB. A leak of
-# even 1 KiB per request or per adapter load would pass this on a 400
-# request run only if it were under ~150 KiB in all, so the test also
-# reports the figures (docs/reliability.md).
+# The server's RSS may move this much after warm-up: 2% of the ~2.9 GiB its
+# processes hold. Measured (docs/reliability.md): vLLM 0.33 moves by 3-12
+# MiB in a 400-request run; vLLM 0.32's worker grows by ~20 KiB a request,
+# slowing down, with or without the plug-in (~20-25 MiB in 400 requests,
+# ~60 MiB in 3000), so runs much longer than 1000 requests exceed it there.
 RSS_TOLERANCE_KIB = 64 * 1024
 
 

@@ -48,23 +48,15 @@ class KnownVllmBugError(AssertionError):
     """vLLM accepted what it should refuse (the test's xfail reason)."""
 
 
-def _narrow_llama(path: Path) -> Path:
+def _llama_of_width(path: Path, hidden_size: int) -> Path:
+    """The tiny Llama at another hidden size (heads of 64)."""
+    heads = hidden_size // 64
     return tiny_model.build_tiny_llama(
         path,
-        hidden_size=128,
-        num_heads=2,
-        num_kv_heads=1,
-        intermediate_size=256,
-    )
-
-
-def _wide_llama(path: Path) -> Path:
-    return tiny_model.build_tiny_llama(
-        path,
-        hidden_size=512,
-        num_heads=8,
-        num_kv_heads=4,
-        intermediate_size=1024,
+        hidden_size=hidden_size,
+        num_heads=heads,
+        num_kv_heads=max(1, heads // 2),
+        intermediate_size=2 * hidden_size,
     )
 
 
@@ -107,10 +99,10 @@ def served(tmp_path_factory):
         ),
         "other_architecture": _gpt2_adapter(work / "gpt2-lora"),
         "wider_hidden_size": tiny_model.build_lora_adapter(
-            _wide_llama(work / "llama-512"), work / "lora-512", seed=3
+            _llama_of_width(work / "llama-512", 512), work / "lora-512", seed=3
         ),
         "narrower_hidden_size": tiny_model.build_lora_adapter(
-            _narrow_llama(work / "llama-128"), work / "lora-128", seed=4
+            _llama_of_width(work / "llama-128", 128), work / "lora-128", seed=4
         ),
         "missing_path": work / "no-such-adapter",
     }
