@@ -3,7 +3,8 @@
 
 Usage, from the checkout in the vLLM environment:
   .venv-vllm/bin/python scripts/soak.py [--requests 400] [--concurrency 12]
-      [--plugin on|off|both] [--workdir DIR] [--json FILE]
+      [--max-tokens 16] [--time-limit 900] [--plugin on|off|both]
+      [--workdir DIR] [--json FILE]
 
 One fp32 `vllm serve` of the tiny local Llama (vllm_cpu_lora.tiny_model)
 with 8 PEFT adapters of different ranks and target modules, `--max-loras 2`
@@ -28,7 +29,8 @@ default) runs the same schedule with VLLM_CPU_LORA_DISABLE=1 after it, for
 contrast. Exit status 1 if the plug-in's run fails a check (the contrast
 run is only reported: vLLM 0.32's own ops give base-model rows batched with
 adapter rows the last slot's adapter, see docs/vllm.md). A test and ops
-tool, not part of the package; tests/test_vllm_soak.py runs a short one.
+tool, not part of the package; tests/test_vllm_soak.py runs a short one,
+docs/reliability.md has the figures.
 """
 
 import argparse
@@ -253,6 +255,15 @@ def _churn(
                 return
 
 
+def _refused_while_unloaded(response: Response) -> bool:
+    """Whether it is vLLM's 404 for a churned adapter (unloaded then)."""
+    return (
+        response.status == 404
+        and response.model in CHURNED
+        and "does not exist" in response.error
+    )
+
+
 def _sample_rss(pgid: int, stop: threading.Event, samples: list[int]) -> None:
     while not stop.wait(_RSS_PERIOD_S):
         samples.append(group_rss_kib(pgid))
@@ -351,7 +362,7 @@ def run_soak(
             thread.start()
         start = time.perf_counter()
         try:
-            main = _send_all(
+            measured = _send_all(
                 server, schedule, concurrency, max_tokens, deadline
             )
         finally:
@@ -363,27 +374,22 @@ def run_soak(
     left = live_group_members(server.pgid)
 
     verdicts, indistinct = _check_tokens(
-        base, adapters, [*warmup, *main], max_tokens
+        base, adapters, [*warmup, *measured], max_tokens
     )
-    answered = [r for r in [*warmup, *main] if r.status == 200]
+    answered = [r for r in [*warmup, *measured] if r.status == 200]
     wrong = [
         f"{r.model} {r.prompt!r} -> {r.tokens}"
         for r, good in zip(answered, verdicts, strict=True)
         if not good
     ]
-    refused = [
-        r
-        for r in main
-        if r.status == 404
-        and r.model in CHURNED
-        and "does not exist" in r.error
-    ]
+    # Churn starts after warm-up: only then may a 404 be expected.
+    refused = [r for r in measured if _refused_while_unloaded(r)]
     failed = [
         f"{r.model} {r.prompt!r}: HTTP {r.status} {r.error[:300]}"
-        for r in [*warmup, *main]
-        if r.status != 200 and not any(r is s for s in refused)
+        for r in [*warmup, *measured]
+        if r.status != 200 and r not in refused
     ]
-    latencies = [r.latency_s for r in main if r.status == 200]
+    latencies = [r.latency_s for r in measured if r.status == 200]
     cuts = statistics.quantiles(latencies, n=100, method="inclusive")
     return SoakResult(
         plugin=not disable_plugin,
