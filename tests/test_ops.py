@@ -784,9 +784,11 @@ def test_exact_integers(op, dtypes, isa):
 # The "rows" tiles of expand (few tokens per adapter, weight rows read in
 # place): ranks 4 and 8 (fp32) / 8 and 16 (bf16 pairs) put several rows in one
 # vector, 32-256 take the fixed-rank tiles, 33 the generic ones; up to
-# tuning.h's RowsMaxTokens tokens per adapter, and one more.
+# tuning.h's RowsMaxTokens and RowsMaxTokensAvx2 tokens per adapter, and
+# one more.
 ROWS_RANKS = (4, 8, 16, 32, 33, 64, 128, 256)
-ROWS_TOKENS = (1, 2, 3, 5, 9)
+ROWS_TOKENS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
+ROWS_WIDTHS = (1003, 297, 16, 40, 1, 77, 8, 130, 530)
 
 
 @pytest.mark.parametrize("layout", ("contiguous", "embedded"))
@@ -798,9 +800,7 @@ def test_expand_rows_tiles(op, rank, layout, isa):
     contiguous (the grouped and fixed-rank tiles must not be used)."""
     gen = make_generator("rows_tiles", op, rank, layout)
     for dtypes in EXPAND_FAST_COMBOS:
-        for tokens, width in zip(
-            ROWS_TOKENS, (1003, 297, 16, 1, 530), strict=True
-        ):
+        for tokens, width in zip(ROWS_TOKENS, ROWS_WIDTHS, strict=True):
             call = expand_call(
                 op,
                 dtypes,

@@ -203,6 +203,16 @@ struct RowsKernel : KernelTypes<V, TX, TW, TO> {
     }
     if (a.w_row_stride == a.k) {
       switch (a.k) {
+        case 8:  // Without row groups (AVX2), short rows too.
+          if constexpr (!V::kRowGroups && kL <= 8) {
+            return sweep(kNone{}, integral_constant<int, 8>{});
+          }
+          break;
+        case 16:
+          if constexpr (!V::kRowGroups && kL <= 16) {
+            return sweep(kNone{}, integral_constant<int, 16>{});
+          }
+          break;
         case 32:
           return sweep(kNone{}, integral_constant<int, 32>{});
         case 64:

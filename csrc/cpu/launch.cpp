@@ -2,6 +2,7 @@
 
 #include <ATen/Parallel.h>
 #include <c10/util/SmallVector.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
@@ -15,6 +16,15 @@ namespace vllm_cpu_lora {
 namespace {
 
 int64_t ElementSize(DType t) { return t == DType::kFloat ? 4 : 2; }
+
+// Half of a core's L2: where an expand item's packed weights should fit.
+int64_t PackedBytesPerItem() {
+  static const int64_t bytes = [] {
+    const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);  // NOLINT(runtime/int)
+    return (l2 > 0 ? int64_t{l2} : kFallbackL2Bytes) / 2;
+  }();
+  return bytes;
+}
 
 // A shrink with fewer token blocks than threads, parallel over the
 // reduction: part s runs `fn` over k elements [k0, k0 + kc) (kc a multiple of
@@ -132,7 +142,7 @@ void Run(const Product& p, c10::ArrayRef<Group> groups,
   if (pack) {
     // At most 4k bytes of packed weights a column.
     n_block = std::min(
-        p.n, std::max(kMinColumnsPerItem, kPackedBytesPerItem / (4 * k) /
+        p.n, std::max(kMinColumnsPerItem, PackedBytesPerItem() / (4 * k) /
                                               kColumnAlign * kColumnAlign));
   }
   if (parallel && pack) {

@@ -22,8 +22,9 @@ constexpr int64_t kParallelMacs = int64_t{1} << 18;
 constexpr int64_t kWorkItemTokens = 64;
 
 // Expand items span as many columns as keep their packed weights within
-// about half of L2 (#expand-column-blocks); blocks are whole cache lines.
-constexpr int64_t kPackedBytesPerItem = int64_t{1} << 20;
+// about half of this CPU's L2 (#expand-column-blocks), assumed this size
+// where the OS does not tell; blocks are whole cache lines.
+constexpr int64_t kFallbackL2Bytes = int64_t{2} << 20;
 constexpr int64_t kMinColumnsPerItem = 512;
 constexpr int64_t kColumnAlign = 64;
 
@@ -54,5 +55,15 @@ constexpr int64_t RowsMaxTokens(int64_t k, bool grouped) {
 }
 static_assert(RowsMaxTokens(8, true) <= kRowsMaxTokens &&
               RowsMaxTokens(kMaxPackK, false) <= kRowsMaxTokens);
+
+// The same on AVX2: 8 fp32 lanes and no pair products, so a vector holds
+// fewer elements of a row and packing transposes cost more per output; 16-bit
+// weights are widened once per token in the rows tiles (#rows-max-tokens-avx2).
+// `w_bytes`: the size of a weight element.
+constexpr int64_t RowsMaxTokensAvx2(int64_t k, int w_bytes) {
+  if (w_bytes == 4) return 8;
+  return k >= 64 ? 8 : k >= 16 ? 4 : 2;
+}
+static_assert(RowsMaxTokensAvx2(kMaxPackK, 4) <= kRowsMaxTokens);
 
 }  // namespace vllm_cpu_lora

@@ -14,6 +14,7 @@
 #include <type_traits>
 
 #include "kernel_isa_namespace.h"
+#include "tuning.h"
 
 namespace vllm_cpu_lora::VLLM_CPU_LORA_ISA_NS {
 
@@ -22,13 +23,19 @@ struct VecAvx2 {
   static constexpr bool kBf16Dot = false;
   static constexpr int kTileM = 2;
   static constexpr int kTileN = 4;
-  static constexpr bool kGather = false;
+  static constexpr bool kGather = true;
   static constexpr bool kRowGroups = false;
   using F = __m256;
 
   static __m256i Mask(int n) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(n),
                               _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  }
+
+  // The rows-vs-pack rule of this ISA (tuning.h).
+  static constexpr int64_t RowsMaxTokens(int64_t k, bool /*grouped*/,
+                                         int w_bytes) {
+    return RowsMaxTokensAvx2(k, w_bytes);
   }
 
   static F Zero() { return _mm256_setzero_ps(); }
@@ -110,6 +117,56 @@ struct VecAvx2 {
     } else {
       _mm_storeu_si128(reinterpret_cast<__m128i*>(p), Narrow(v, T{}));
     }
+  }
+
+  // Transposes the 8 x 8 matrix whose rows are r[0..8).
+  static void Transpose(F (&r)[kLanes]) {
+    F t[8], s[8];
+    for (int i = 0; i < 4; ++i) {
+      t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+      t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; ++i) {
+      for (int h = 0; h < 2; ++h) {
+        const F a = t[4 * i + h], b = t[4 * i + h + 2];
+        s[4 * i + 2 * h] = _mm256_shuffle_ps(a, b, 0x44);
+        s[4 * i + 2 * h + 1] = _mm256_shuffle_ps(a, b, 0xee);
+      }
+    }
+    for (int i = 0; i < 4; ++i) {
+      r[i] = _mm256_permute2f128_ps(s[i], s[i + 4], 0x20);
+      r[i + 4] = _mm256_permute2f128_ps(s[i], s[i + 4], 0x31);
+    }
+  }
+
+  // ---- weight packing for the pack blocking ----
+  // Packs columns c < nt of P (see PackKernel::Pack): row j holds element j
+  // (as fp32) of each weight row c < nc, zero for nc <= c < nc rounded up to
+  // kLanes (later columns are not read). Returns that rounded-up nc. Blocks
+  // of 8 weight rows x 8 elements are loaded (widened) and transposed in
+  // registers: a scalar copy costs several times more than the products of
+  // a few tokens.
+  template <class TW, bool kPairs>
+  static int PackColumns(const TW* w, int64_t row_stride, int64_t k, int nc,
+                         int nt, float* P) {
+    static_assert(!kPairs, "AVX2 has no bf16 pair products");
+    for (int c0 = 0; c0 < nc; c0 += kLanes) {
+      for (int64_t j0 = 0; j0 < k; j0 += kLanes) {
+        const int count = static_cast<int>(std::min<int64_t>(kLanes, k - j0));
+        F r[kLanes];
+        for (int i = 0; i < kLanes; ++i) {
+          const TW* row = w + (c0 + i) * row_stride + j0;
+          r[i] = c0 + i >= nc      ? Zero()
+                 : count == kLanes ? Load(row)
+                                   : LoadPartial(row, count);
+        }
+        Transpose(r);
+        for (int i = 0; i < count; ++i) {
+          _mm256_storeu_ps(P + (j0 + i) * nt + c0, r[i]);
+        }
+      }
+    }
+    return (nc + kLanes - 1) / kLanes * kLanes;
   }
 
   template <class T>

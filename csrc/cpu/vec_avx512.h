@@ -14,6 +14,7 @@
 #include <type_traits>
 
 #include "kernel_isa_namespace.h"
+#include "tuning.h"
 
 namespace vllm_cpu_lora::VLLM_CPU_LORA_ISA_NS {
 
@@ -32,6 +33,12 @@ struct VecAvx512 {
   }
   static __mmask32 Mask32(int n) {
     return n >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((1u << n) - 1u);
+  }
+
+  // The rows-vs-pack rule of this ISA (tuning.h).
+  static constexpr int64_t RowsMaxTokens(int64_t k, bool grouped,
+                                         int /*w_bytes*/) {
+    return ::vllm_cpu_lora::RowsMaxTokens(k, grouped);
   }
 
   static F Zero() { return _mm512_setzero_ps(); }

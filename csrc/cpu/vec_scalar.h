@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "kernel_isa_namespace.h"
+#include "tuning.h"
 
 namespace vllm_cpu_lora::VLLM_CPU_LORA_ISA_NS {
 
@@ -20,6 +21,12 @@ struct VecScalar {
   static constexpr bool kGather = false;
   static constexpr bool kRowGroups = false;
   using F = float;
+
+  // The rows-vs-pack rule of this ISA (tuning.h): measured on AVX-512 only.
+  static constexpr int64_t RowsMaxTokens(int64_t k, bool grouped,
+                                         int /*w_bytes*/) {
+    return ::vllm_cpu_lora::RowsMaxTokens(k, grouped);
+  }
 
   static F Zero() { return 0.0f; }
   static F Set1(float v) { return v; }
