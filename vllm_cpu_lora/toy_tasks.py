@@ -126,8 +126,8 @@ def base_corpus(all_facts: Sequence[Fact]) -> list[str]:
 
 
 def words(all_facts: Sequence[Fact]) -> list[str]:
-    """Every word of every task's questions and answers, in first-seen
-    order: the tokenizer's vocabulary."""
+    """Every word of the base corpus, which has every task's words, in
+    first-seen order: the tokenizer's vocabulary."""
     lines = base_corpus(all_facts)
     return list(dict.fromkeys(w for line in lines for w in line.split()))
 

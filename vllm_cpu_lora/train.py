@@ -1,4 +1,4 @@
-"""The demo's trained tiny Llama and LoRA adapters, made in seconds, cached.
+"""The demo's trained tiny Llama and LoRA adapters, made in a minute, cached.
 
 `ensure_models` returns a base model pretrained on `toy_tasks.base_corpus`
 and one PEFT LoRA adapter per entry of `ADAPTERS`, each fine-tuned on its
@@ -120,8 +120,7 @@ def build_tokenizer(vocabulary: Sequence[str], path: Path) -> Any:
     vocab = {w: i for i, w in enumerate([*SPECIALS, *vocabulary])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    # Decoding joins the words with spaces (a tokenizer without a decoder
-    # does too, but vLLM's incremental detokenizer would not).
+    # Decoding joins the words with spaces, so an answer's text is exact.
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
     tok.post_processor = TemplateProcessing(
         single="<s> $A", special_tokens=[("<s>", vocab["<s>"])]
