@@ -252,6 +252,23 @@ def test_loading_a_name_twice_is_400(served):
     _assert_still_serving(served)
 
 
+def _wait_until_running(srv, count: int, timeout_s: float = 60.0) -> None:
+    """Returns once the server runs `count` requests (its Prometheus gauge),
+    so the unload below meets them in flight however fast they decode."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        _, text = srv.request("GET", "/metrics")
+        running = sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("vllm:num_requests_running")
+        )
+        if running >= count:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"{count} requests never ran at once")
+
+
 def test_unloading_with_requests_in_flight(served):
     """vLLM's unload only drops the name from the API server's table: the
     requests already running finish with the adapter, new ones get 404."""
@@ -267,7 +284,7 @@ def test_unloading_with_requests_in_flight(served):
     threads = [threading.Thread(target=send) for _ in range(4)]
     for thread in threads:
         thread.start()
-    time.sleep(1.0)
+    _wait_until_running(srv, len(threads))
     unload = _api(srv, "unload", {"lora_name": "in-flight"})
     unloaded_at = time.monotonic()
     after = _complete(srv, "in-flight")
