@@ -35,6 +35,8 @@ EXPAND_OPS = (
 VLLM_OPS = SHRINK_OPS + EXPAND_OPS
 DISPATCH_OPS = ("dispatch_bgmv", "dispatch_bgmv_low_level")
 ALL_OPS = VLLM_OPS + DISPATCH_OPS
+# All the slices of a layer in one call (tests/test_ops_multi_slice.py).
+MULTI_SLICE_OPS = ("lora_shrink", "lora_expand")
 
 UNIT_ROUNDOFF = {
     torch.float32: 2.0**-24,
@@ -68,21 +70,22 @@ def f64(t: torch.Tensor) -> torch.Tensor:
 def run_oracle(op_name: str, args: list, out_index: int, abs_inputs=()):
     """Runs reference.<op_name> in float64.
 
-    `args` are the kernel's arguments; floating tensors are converted to
-    float64 copies (those at positions in `abs_inputs` also made absolute, to
-    compute the magnitude S). Returns the float64 output tensor.
+    `args` are the kernel's arguments; floating tensors, also in lists, are
+    converted to float64 copies (those at positions in `abs_inputs` also made
+    absolute, to compute the magnitude S). Returns the float64 output tensor.
     """
     from vllm_cpu_lora import reference
 
-    converted = []
-    for i, a in enumerate(args):
+    def convert(a, absolute):
+        if isinstance(a, list):
+            return [convert(t, absolute) for t in a]
         if isinstance(a, torch.Tensor) and a.is_floating_point():
-            a = f64(a)
-            if i in abs_inputs:
-                a = a.abs()
-        elif isinstance(a, float) and i in abs_inputs:
-            a = abs(a)
-        converted.append(a)
+            return f64(a).abs() if absolute else f64(a)
+        if isinstance(a, float) and absolute:
+            return abs(a)
+        return a
+
+    converted = [convert(a, i in abs_inputs) for i, a in enumerate(args)]
     getattr(reference, op_name)(*converted)
     return converted[out_index]
 

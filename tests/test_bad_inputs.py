@@ -33,7 +33,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from oracle import DISPATCH_OPS, SHRINK_OPS, VLLM_OPS
+from oracle import DISPATCH_OPS, MULTI_SLICE_OPS, SHRINK_OPS, VLLM_OPS
 
 import vllm_cpu_lora
 
@@ -69,9 +69,30 @@ def weights_name(op: str) -> str:
     return "lora_a_weights" if op in SHRINK_OPS else "lora_b_weights"
 
 
+# Rows of the two lora_expand slices.
+EXPAND_SLICES = (6, 10)
+
+
 def base_args(op: str) -> dict:
     """Valid arguments of `op`, by schema name in schema order; outputs are
     poisoned (NaN, or POISON in add mode) and some rows have no LoRA."""
+    if op == "lora_shrink":
+        return {
+            "inputs": _randn(T, H),
+            "lora_a_weights": [_randn(L, R, H), _randn(L, 1, R, H)],
+            "output_tensor": _nan(2, T, R),
+            "token_lora_indices": _idx(0, 2, -1, 1),
+            "scaling": 0.5,
+        }
+    if op == "lora_expand":
+        return {
+            "inputs": _randn(2, T, R),
+            "lora_b_weights": [_randn(L, n, R) for n in EXPAND_SLICES],
+            "output_tensor": _nan(T, H),
+            "token_lora_indices": _idx(0, 2, -1, 1),
+            "offset_start": 2,
+            "add_inputs": False,
+        }
     if op in DISPATCH_OPS:
         args = {
             "y": _poison(T, R + 2),
@@ -197,6 +218,8 @@ def _isa_no_lora(a: dict) -> None:
     """Every row / segment without LoRA."""
     if "indicies" in a:
         a["indicies"] = _idx(-1, -1, -1, -1)
+    elif "token_lora_indices" in a:
+        a["token_lora_indices"] = _idx(-1, -1, -1, -1)
     elif "b_seq_start_loc" in a:
         a["lora_indices_tensor"] = _idx(-1, -1)
     else:
@@ -679,9 +702,181 @@ def dispatch_entries(op: str) -> list[Bad]:
     return entries
 
 
-ENTRIES = [e for op in VLLM_OPS for e in vllm_entries(op)] + [
-    e for op in DISPATCH_OPS for e in dispatch_entries(op)
-]
+def _second_slice(**changes) -> Callable[[dict], None]:
+    """Replaces slice 1 of the op's weights list."""
+
+    def mutate(a: dict) -> None:
+        name = next(n for n in a if n.startswith("lora_"))
+        a[name] = [a[name][0], changes[name]]
+
+    return mutate
+
+
+def _output_in_second_weights(a: dict) -> None:
+    """lora_shrink's slice 0 of the output lies in the end of slice 1's
+    weights (only the check across slices sees it)."""
+    size = L * R * H
+    storage = _nan(size + T * R)
+    storage[:size] = torch.randn(size)
+    a["lora_a_weights"][1] = storage[:size].view(L, R, H)
+    a["output_tensor"] = storage[size - T * R :].view(2, T, R)
+
+
+def _output_in_inputs(a: dict) -> None:
+    """lora_expand's output shares memory with slice 1 of its inputs."""
+    buffer = _randn(2, T, H)
+    a["inputs"], a["output_tensor"] = buffer[:, :, :R], buffer[1]
+
+
+def multi_slice_entries(op: str) -> list[Bad]:
+    shrink = op == "lora_shrink"
+    w_name = "lora_a_weights" if shrink else "lora_b_weights"
+    stacked = "output_tensor" if shrink else "inputs"
+    idx = ("token_lora_indices",)
+    stacked_shape = (T, R)
+    if shrink:
+        w_ok = _randn(L, R, H)
+        w_fewer_adapters = _randn(L - 1, R, H)
+        w_other_k = _randn(L, R, H + 1)
+    else:
+        w_ok = _randn(L, EXPAND_SLICES[1], R)
+        w_fewer_adapters = _randn(L - 1, EXPAND_SLICES[1], R)
+        w_other_k = _randn(L, EXPAND_SLICES[1], R + 1)
+    make = _nan if shrink else _randn
+    entries = [
+        Bad(
+            op,
+            "no_slices",
+            _set(**{w_name: [], stacked: make(0, *stacked_shape)}),
+            (w_name,),
+        ),
+        Bad(
+            op,
+            "stacked_slices_mismatch",
+            _set(**{stacked: make(3, *stacked_shape)}),
+            (stacked,),
+        ),
+        Bad(
+            op,
+            "stacked_2d",
+            _set(**{stacked: make(*stacked_shape)}),
+            (stacked,),
+        ),
+        Bad(
+            op,
+            "adapter_counts_differ",
+            _second_slice(**{w_name: w_fewer_adapters}),
+            (w_name,),
+        ),
+        Bad(
+            op,
+            "slice_k_mismatch",
+            _second_slice(**{w_name: w_other_k}),
+            ("inputs", w_name),
+        ),
+        Bad(
+            op,
+            "slice_float64",
+            _second_slice(**{w_name: w_ok.double()}),
+            (w_name,),
+        ),
+        Bad(op, "index_too_short", _set(token_lora_indices=_idx(0, 0, 0)), idx),
+        Bad(
+            op,
+            "index_equal_to_num_loras",
+            _set(token_lora_indices=_idx(0, L, 0, 0)),
+            idx,
+        ),
+        Bad(
+            op,
+            "index_on_meta",
+            _set(token_lora_indices=_idx(0, 0, 0, 0).to("meta")),
+            (*idx, "Meta", "meta"),
+        ),
+        Bad(
+            op,
+            "isa_unknown",
+            lambda a: None,
+            (ISA_ENV,),
+            env=((ISA_ENV, "no_such_isa"),),
+        ),
+        Bad(
+            op,
+            "isa_unknown_no_lora",
+            _isa_no_lora,
+            (ISA_ENV,),
+            env=((ISA_ENV, "no_such_isa"),),
+        ),
+    ]
+    if shrink:
+        entries += [
+            Bad(
+                op,
+                "slice_rank_above_output",
+                _second_slice(lora_a_weights=_randn(L, R + 1, H)),
+                ("output_tensor",),
+            ),
+            Bad(
+                op,
+                "output_slices_share_memory",
+                lambda a: a.update(
+                    output_tensor=_nan(T * R + R).as_strided(
+                        (2, T, R), (R, R, 1)
+                    )
+                ),
+                ("output_tensor",),
+            ),
+            Bad(
+                op,
+                "alias_output_in_other_slice_weights",
+                _output_in_second_weights,
+                ("output_tensor",),
+            ),
+        ]
+    else:
+        entries += [
+            Bad(
+                op,
+                "slices_past_output_width",
+                _set(offset_start=H - sum(EXPAND_SLICES) + 1),
+                ("offset_start",),
+            ),
+            Bad(
+                op, "offset_negative", _set(offset_start=-1), ("offset_start",)
+            ),
+            Bad(
+                op,
+                "offset_past_end",
+                _set(offset_start=H + 1),
+                ("offset_start",),
+            ),
+            Bad(
+                op,
+                "offset_overflow",
+                _set(offset_start=INT64_MAX),
+                ("offset_start",),
+            ),
+            Bad(
+                op,
+                "output_wrong_rows",
+                _set(output_tensor=_nan(T + 1, H)),
+                ("output_tensor",),
+            ),
+            Bad(
+                op,
+                "alias_output_in_inputs",
+                _output_in_inputs,
+                ("output_tensor",),
+            ),
+        ]
+    return entries
+
+
+ENTRIES = (
+    [e for op in VLLM_OPS for e in vllm_entries(op)]
+    + [e for op in DISPATCH_OPS for e in dispatch_entries(op)]
+    + [e for op in MULTI_SLICE_OPS for e in multi_slice_entries(op)]
+)
 
 
 # ---------------------------------------------------------------- runner --
@@ -730,7 +925,12 @@ def run_entry(entry: Bad, api: str = "torch.ops") -> str | None:
     namespace = (
         torch.ops.vllm_cpu_lora if api == "torch.ops" else vllm_cpu_lora.ops
     )
-    tensors = [a for a in args.values() if isinstance(a, torch.Tensor)]
+    tensors = [
+        t
+        for a in args.values()
+        for t in (a if isinstance(a, list) else [a])
+        if isinstance(t, torch.Tensor)
+    ]
     before = [_snapshot(t) for t in tensors]
     saved = {name: os.environ.get(name) for name, _ in entry.env}
     os.environ.update(dict(entry.env))
@@ -820,7 +1020,9 @@ def test_table_in_subprocess():
 
 
 def test_table_covers_every_op():
-    assert {e.op for e in ENTRIES} == set(VLLM_OPS + DISPATCH_OPS)
+    assert {e.op for e in ENTRIES} == set(
+        VLLM_OPS + DISPATCH_OPS + MULTI_SLICE_OPS
+    )
     assert len({e.id for e in ENTRIES}) == len(ENTRIES)
     assert {e.op for e, api in RUNS if api == "ops"} == set(EAGER_OPS)
 

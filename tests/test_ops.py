@@ -242,9 +242,11 @@ class Call:
 
     @property
     def dtypes(self) -> tuple:
+        # The multi-slice ops' weights are a list of one dtype.
+        w = self.args[self.w]
         return (
             self.args[self.x].dtype,
-            self.args[self.w].dtype,
+            (w[0] if isinstance(w, list) else w).dtype,
             self.output.dtype,
         )
 
@@ -387,7 +389,9 @@ def _fingerprint(call: Call) -> str:
     digest = hashlib.sha1()
     positions = (call.out, call.x, call.w, call.scale)
     digest.update(repr((call.op, positions)).encode())
-    for arg in call.args:
+    for arg in itertools.chain.from_iterable(
+        a if isinstance(a, list) else [a] for a in call.args
+    ):
         if isinstance(arg, torch.Tensor):
             digest.update(repr((arg.shape, arg.dtype)).encode())
             digest.update(arg.contiguous().view(torch.uint8).numpy())

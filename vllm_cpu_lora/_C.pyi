@@ -25,3 +25,9 @@ def eager_bgmv_expand_slice(
     add_inputs: bool,
     /,
 ) -> bool: ...
+
+# Calls of each torch.ops.vllm_cpu_lora op in this process, counted by the
+# C++ ops themselves (so compiled graphs' calls count too); ops never called
+# are left out.
+def call_counts() -> dict[str, int]: ...
+def reset_call_counts() -> None: ...

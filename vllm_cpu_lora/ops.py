@@ -1,4 +1,6 @@
-"""Drop-ins for `vllm.lora.ops.torch_ops` (same names, arguments, defaults).
+"""Drop-ins for `vllm.lora.ops.torch_ops` (same names, arguments, defaults),
+and `lora_shrink`/`lora_expand`: all the slices of a layer in one call, in
+the form of vLLM's Triton ops of those names.
 
 CPU tensors go to the C++ kernels (`torch.ops.vllm_cpu_lora.*`); tensors on
 any other device go to `vllm_cpu_lora.reference`, vLLM's pure-torch algorithm
@@ -177,6 +179,36 @@ def sgmv_expand_slice(
     )
 
 
+def lora_shrink(
+    inputs: torch.Tensor,
+    lora_a_weights: list[torch.Tensor],
+    output_tensor: torch.Tensor,
+    token_lora_indices: torch.Tensor,
+    scaling: float = 1.0,
+) -> None:
+    impl = _cpu["lora_shrink"] if inputs.is_cpu else reference.lora_shrink
+    impl(inputs, lora_a_weights, output_tensor, token_lora_indices, scaling)
+
+
+def lora_expand(
+    inputs: torch.Tensor,
+    lora_b_weights: list[torch.Tensor],
+    output_tensor: torch.Tensor,
+    token_lora_indices: torch.Tensor,
+    offset_start: int = 0,
+    add_inputs: bool = True,
+) -> None:
+    impl = _cpu["lora_expand"] if inputs.is_cpu else reference.lora_expand
+    impl(
+        inputs,
+        lora_b_weights,
+        output_tensor,
+        token_lora_indices,
+        offset_start,
+        add_inputs,
+    )
+
+
 def dispatch_bgmv(
     y: torch.Tensor,
     x: torch.Tensor,
@@ -220,8 +252,10 @@ def _make_fake(name: str):
         named = [*zip(arg_names, args, strict=False), *kwargs.items()]
         devices = {}
         for arg_name, value in named:
-            if isinstance(value, torch.Tensor):
-                devices.setdefault(value.device, arg_name)
+            tensors = value if isinstance(value, (list, tuple)) else [value]
+            for tensor in tensors:
+                if isinstance(tensor, torch.Tensor):
+                    devices.setdefault(tensor.device, arg_name)
         if len(devices) > 1:
             where = ", ".join(f"{n} on {d}" for d, n in devices.items())
             raise RuntimeError(

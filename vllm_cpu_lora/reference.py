@@ -9,6 +9,10 @@ one weight matrix per token, batched GEMV) with vLLM 0.33's semantics:
   model may pad differently; expand_slice needs ``slice_size`` equal to the
   weight rows;
 * the bgmv forms take one index per row of ``inputs``;
+* ``lora_shrink`` and ``lora_expand`` take all the slices of a layer (as
+  vLLM's Triton ops of those names): shrink writes slice ``s`` into
+  ``output_tensor[s]``, expand reads ``inputs[s]`` and writes its columns
+  after those of the slices before it, from ``offset_start``;
 * the sgmv forms apply segment ``i``, the next ``seq_len_tensor[i]`` tokens,
   to adapter ``lora_indices_tensor[i]``: the segments run back to back and
   cover every row of ``inputs`` (vLLM's ops read neither ``b_seq_start_loc``
@@ -31,6 +35,8 @@ __all__ = [
     "sgmv_shrink",
     "sgmv_expand",
     "sgmv_expand_slice",
+    "lora_shrink",
+    "lora_expand",
     "dispatch_bgmv",
     "dispatch_bgmv_low_level",
 ]
@@ -239,6 +245,69 @@ def sgmv_expand(
     del b_seq_start_loc, batches, max_seq_length, token_nums  # vLLM's too.
     indices = _token_indices(inputs, seq_len_tensor, lora_indices_tensor)
     bgmv_expand(inputs, lora_b_weights, output_tensor, indices, add_inputs)
+
+
+def _check_slices(
+    stacked: torch.Tensor, stacked_name: str, weights, weights_name: str
+) -> None:
+    if len(weights) == 0:
+        raise RuntimeError(f"{weights_name} must hold at least one slice")
+    if stacked.dim() != 3 or stacked.size(0) != len(weights):
+        raise RuntimeError(
+            f"{stacked_name} must be [{len(weights)} slices, tokens, rank], "
+            f"got shape {list(stacked.shape)}"
+        )
+
+
+def lora_shrink(
+    inputs: torch.Tensor,
+    lora_a_weights: list[torch.Tensor],
+    output_tensor: torch.Tensor,
+    token_lora_indices: torch.Tensor,
+    scaling: float = 1.0,
+) -> None:
+    """bgmv_shrink of every slice: ``output_tensor[s]`` from
+    ``lora_a_weights[s]``."""
+    _check_slices(
+        output_tensor, "output_tensor", lora_a_weights, "lora_a_weights"
+    )
+    for s, weights in enumerate(lora_a_weights):
+        bgmv_shrink(
+            inputs, weights, output_tensor[s], token_lora_indices, scaling
+        )
+
+
+def lora_expand(
+    inputs: torch.Tensor,
+    lora_b_weights: list[torch.Tensor],
+    output_tensor: torch.Tensor,
+    token_lora_indices: torch.Tensor,
+    offset_start: int = 0,
+    add_inputs: bool = True,
+) -> None:
+    """bgmv_expand_slice of every slice: ``inputs[s]`` through
+    ``lora_b_weights[s]`` into the next columns of ``output_tensor``, from
+    ``offset_start``."""
+    _check_slices(inputs, "inputs", lora_b_weights, "lora_b_weights")
+    offset = offset_start
+    for s, weights in enumerate(lora_b_weights):
+        rows = _as_3d(weights).size(1)
+        if offset < 0 or offset + rows > output_tensor.size(1):
+            raise RuntimeError(
+                f"offset_start {offset_start} and the rows of "
+                f"lora_b_weights[0..{s}] ({offset - offset_start + rows}) do "
+                f"not fit in output_tensor of width {output_tensor.size(1)}"
+            )
+        bgmv_expand_slice(
+            inputs[s],
+            weights,
+            output_tensor,
+            token_lora_indices,
+            offset,
+            rows,
+            add_inputs,
+        )
+        offset += rows
 
 
 def dispatch_bgmv_low_level(

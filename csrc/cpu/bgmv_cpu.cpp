@@ -1,7 +1,10 @@
 // The LoRA ops: their schemas and registration, and their bodies, which
 // check the arguments (checks.h), group the tokens by adapter (grouping.h)
-// and run one product (launch.h):
+// and run one product per slice (launch.h):
 //   out[t, col0 + n] = scale * x[t] . w[a(t), n]  (+ out[t, col0 + n])
+// vLLM's per-slice ops (bgmv_*, sgmv_*) take one slice; lora_shrink and
+// lora_expand take all the slices of a layer (qkv: 3, gate_up: 2) in one
+// call, as vLLM's Triton ops do.
 // The kernels live in kernels_<isa>.cpp.
 
 #include <ATen/ATen.h>
@@ -14,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "call_counts.h"
 #include "checks.h"
 #include "grouping.h"
 #include "isa.h"
@@ -106,6 +110,7 @@ int64_t OutputWidth(const at::Tensor& output_tensor) {
 void BgmvShrink(const at::Tensor& inputs, const at::Tensor& lora_a_weights,
                 const at::Tensor& output_tensor,
                 const at::Tensor& lora_indices_tensor, double scaling) {
+  CountCall(OpName::kBgmvShrink);
   Shrink(inputs, lora_a_weights, output_tensor, lora_indices_tensor, scaling,
          BgmvTokens(inputs, lora_indices_tensor));
 }
@@ -115,6 +120,7 @@ void BgmvExpandSlice(const at::Tensor& inputs, const at::Tensor& lora_b_weights,
                      const at::Tensor& lora_indices_tensor,
                      int64_t slice_offset, int64_t slice_size,
                      bool add_inputs) {
+  CountCall(OpName::kBgmvExpandSlice);
   ExpandSlice(inputs, lora_b_weights, output_tensor, lora_indices_tensor,
               slice_offset, slice_size, /*exact_slice=*/true, add_inputs,
               BgmvTokens(inputs, lora_indices_tensor));
@@ -123,12 +129,127 @@ void BgmvExpandSlice(const at::Tensor& inputs, const at::Tensor& lora_b_weights,
 void BgmvExpand(const at::Tensor& inputs, const at::Tensor& lora_b_weights,
                 const at::Tensor& output_tensor,
                 const at::Tensor& lora_indices_tensor, bool add_inputs) {
+  CountCall(OpName::kBgmvExpand);
   ExpandSlice(inputs, lora_b_weights, output_tensor, lora_indices_tensor, 0,
               OutputWidth(output_tensor), /*exact_slice=*/false, add_inputs,
               BgmvTokens(inputs, lora_indices_tensor));
 }
 
 namespace {
+
+// "name[s]", for the errors about one slice.
+std::string SliceName(const char* name, int64_t s) {
+  return std::string(name) + "[" + std::to_string(s) + "]";
+}
+
+// The slices of a multi-slice op all have the adapter count of the first:
+// the tokens are grouped once for all of them.
+void CheckAdapterCounts(const char* name, c10::ArrayRef<Weights> views) {
+  for (size_t s = 1; s < views.size(); ++s) {
+    TORCH_CHECK(views[s].num_adapters == views[0].num_adapters, name, "[", s,
+                "] has ", views[s].num_adapters, " adapters but ", name,
+                "[0] has ", views[0].num_adapters);
+  }
+}
+
+// The tokens of a multi-slice op, grouped by adapter.
+Grouping GroupTokens(const at::Tensor& token_lora_indices, int64_t num_tokens,
+                     int64_t num_adapters) {
+  return GroupByAdapter(
+      ReadIndices(token_lora_indices, "token_lora_indices", num_tokens,
+                  "(one per token)", -1, num_adapters - 1, kLoraRange),
+      num_adapters);
+}
+
+// A [slices, tokens, rank] argument of a multi-slice op.
+void CheckStacked(const at::Tensor& t, const char* name, int64_t slices,
+                  const char* weights_name) {
+  TORCH_CHECK(slices > 0, weights_name, " must hold at least one slice");
+  CheckCpu(t, name);
+  TORCH_CHECK(t.dim() == 3 && t.size(0) == slices, name, " must be [", slices,
+              " slices, tokens, rank], got shape ", t.sizes());
+}
+
+// output_tensor[s, t, :rank] = scaling * inputs[t] @ lora_a_weights[s][a(t)].T
+// for each slice s, zeros where a(t) = -1.
+void LoraShrink(const at::Tensor& inputs, at::TensorList lora_a_weights,
+                const at::Tensor& output_tensor,
+                const at::Tensor& token_lora_indices, double scaling) {
+  CountCall(OpName::kLoraShrink);
+  const int64_t slices = static_cast<int64_t>(lora_a_weights.size());
+  CheckStacked(output_tensor, "output_tensor", slices, "lora_a_weights");
+  // Each slice is checked as a 2-D output below; here, that no two overlap.
+  TORCH_CHECK(slices == 1 || output_tensor.numel() == 0 ||
+                  output_tensor.stride(0) >=
+                      (output_tensor.size(1) - 1) * output_tensor.stride(1) +
+                          output_tensor.size(2),
+              "output_tensor has slices that share memory");
+  c10::SmallVector<Weights, 3> views(slices);
+  c10::SmallVector<Product, 3> products;
+  for (int64_t s = 0; s < slices; ++s) {
+    const std::string w_name = SliceName("lora_a_weights", s);
+    const std::string out_name = SliceName("output_tensor", s);
+    Product p = Prepare(inputs, "inputs", lora_a_weights[s], w_name.c_str(),
+                        output_tensor[s], out_name.c_str(), token_lora_indices,
+                        &views[s]);
+    TORCH_CHECK(output_tensor.size(2) >= views[s].rows, "output_tensor has ",
+                output_tensor.size(2), " columns, fewer than the rank ",
+                views[s].rows, " of ", w_name);
+    p.n = views[s].rows;
+    p.scale = static_cast<float>(scaling);
+    products.push_back(p);
+  }
+  // Each slice of the output is checked against its own weights above.
+  for (int64_t s = 0; s < slices; ++s) {
+    CheckNoOverlap(output_tensor, "output_tensor", lora_a_weights[s],
+                   SliceName("lora_a_weights", s).c_str());
+  }
+  CheckAdapterCounts("lora_a_weights", views);
+  const Grouping g =
+      GroupTokens(token_lora_indices, inputs.size(0), views[0].num_adapters);
+  for (const Product& p : products) {
+    ZeroRows(p.out, g.no_lora, p.n);
+    Run(p, g.groups, g.tokens);
+  }
+}
+
+// output_tensor[t, c(s) + n] (+)= inputs[s, t] . lora_b_weights[s][a(t), n]
+// for each slice s and n below its weight rows, where c(s) is offset_start
+// plus the rows of the slices before s; rows with a(t) = -1 untouched.
+void LoraExpand(const at::Tensor& inputs, at::TensorList lora_b_weights,
+                const at::Tensor& output_tensor,
+                const at::Tensor& token_lora_indices, int64_t offset_start,
+                bool add_inputs) {
+  CountCall(OpName::kLoraExpand);
+  const int64_t slices = static_cast<int64_t>(lora_b_weights.size());
+  CheckStacked(inputs, "inputs", slices, "lora_b_weights");
+  const int64_t width = OutputWidth(output_tensor);
+  TORCH_CHECK(offset_start >= 0 && offset_start <= width, "offset_start ",
+              offset_start, " is outside output_tensor of width ", width);
+  c10::SmallVector<Weights, 3> views(slices);
+  c10::SmallVector<Product, 3> products;
+  int64_t col = offset_start;
+  for (int64_t s = 0; s < slices; ++s) {
+    const std::string in_name = SliceName("inputs", s);
+    const std::string w_name = SliceName("lora_b_weights", s);
+    Product p =
+        Prepare(inputs[s], in_name.c_str(), lora_b_weights[s], w_name.c_str(),
+                output_tensor, "output_tensor", token_lora_indices, &views[s]);
+    TORCH_CHECK(views[s].rows <= width - col, "offset_start ", offset_start,
+                " and the rows of lora_b_weights[0..", s, "] (",
+                col - offset_start + views[s].rows,
+                ") do not fit in output_tensor of width ", width);
+    p.col0 = col;
+    p.n = views[s].rows;
+    p.add = add_inputs;
+    col += p.n;
+    products.push_back(p);
+  }
+  CheckAdapterCounts("lora_b_weights", views);
+  const Grouping g = GroupTokens(token_lora_indices, output_tensor.size(0),
+                                 views[0].num_adapters);
+  for (const Product& p : products) Run(p, g.groups, g.tokens);
+}
 
 // max_seq_length and token_nums are hints only: the segments are read and
 // checked.
@@ -139,6 +260,7 @@ void SgmvShrink(const at::Tensor& inputs, const at::Tensor& lora_a_weights,
                 const at::Tensor& lora_indices_tensor, int64_t batches,
                 int64_t /*max_seq_length*/, int64_t /*token_nums*/,
                 double scaling) {
+  CountCall(OpName::kSgmvShrink);
   Shrink(inputs, lora_a_weights, output_tensor, lora_indices_tensor, scaling,
          SgmvTokens(inputs, b_seq_start_loc, seq_len_tensor,
                     lora_indices_tensor, batches));
@@ -152,6 +274,7 @@ void SgmvExpandSlice(const at::Tensor& inputs, const at::Tensor& lora_b_weights,
                      int64_t /*max_seq_length*/, int64_t /*token_nums*/,
                      int64_t slice_offset, int64_t slice_size,
                      bool add_inputs) {
+  CountCall(OpName::kSgmvExpandSlice);
   ExpandSlice(inputs, lora_b_weights, output_tensor, lora_indices_tensor,
               slice_offset, slice_size, /*exact_slice=*/true, add_inputs,
               SgmvTokens(inputs, b_seq_start_loc, seq_len_tensor,
@@ -165,6 +288,7 @@ void SgmvExpand(const at::Tensor& inputs, const at::Tensor& lora_b_weights,
                 const at::Tensor& lora_indices_tensor, int64_t batches,
                 int64_t /*max_seq_length*/, int64_t /*token_nums*/,
                 bool add_inputs) {
+  CountCall(OpName::kSgmvExpand);
   ExpandSlice(inputs, lora_b_weights, output_tensor, lora_indices_tensor, 0,
               OutputWidth(output_tensor), /*exact_slice=*/false, add_inputs,
               SgmvTokens(inputs, b_seq_start_loc, seq_len_tensor,
@@ -173,10 +297,9 @@ void SgmvExpand(const at::Tensor& inputs, const at::Tensor& lora_b_weights,
 
 // Legacy punica: y[:, y_offset:y_offset+h_out] += scale * x[:, :h_in] @
 // w[idx, layer_idx, :h_out, :h_in].T; negative indices skip the row.
-void DispatchBgmvLowLevel(const at::Tensor& y, const at::Tensor& x,
-                          const at::Tensor& w, const at::Tensor& indicies,
-                          int64_t layer_idx, double scale, int64_t h_in,
-                          int64_t h_out, int64_t y_offset) {
+void BgmvLowLevel(const at::Tensor& y, const at::Tensor& x, const at::Tensor& w,
+                  const at::Tensor& indicies, int64_t layer_idx, double scale,
+                  int64_t h_in, int64_t h_out, int64_t y_offset) {
   CheckCpu(w, "w");
   ToDType(w, "w");
   TORCH_CHECK(w.dim() == 4,
@@ -216,11 +339,19 @@ void DispatchBgmvLowLevel(const at::Tensor& y, const at::Tensor& x,
 
 void DispatchBgmv(const at::Tensor& y, const at::Tensor& x, const at::Tensor& w,
                   const at::Tensor& indicies, int64_t layer_idx, double scale) {
+  CountCall(OpName::kDispatchBgmv);
   TORCH_CHECK(w.dim() == 4,
               "w must be [num_loras, num_layers, h_out, h_in], got shape ",
               w.sizes());
-  DispatchBgmvLowLevel(y, x, w, indicies, layer_idx, scale, w.size(3),
-                       w.size(2), 0);
+  BgmvLowLevel(y, x, w, indicies, layer_idx, scale, w.size(3), w.size(2), 0);
+}
+
+void DispatchBgmvLowLevel(const at::Tensor& y, const at::Tensor& x,
+                          const at::Tensor& w, const at::Tensor& indicies,
+                          int64_t layer_idx, double scale, int64_t h_in,
+                          int64_t h_out, int64_t y_offset) {
+  CountCall(OpName::kDispatchBgmvLowLevel);
+  BgmvLowLevel(y, x, w, indicies, layer_idx, scale, h_in, h_out, y_offset);
 }
 
 }  // namespace
@@ -261,6 +392,14 @@ TORCH_LIBRARY(vllm_cpu_lora, m) {
       "dispatch_bgmv_low_level(Tensor(a!) y, Tensor x, Tensor w, "
       "Tensor indicies, int layer_idx, float scale, int h_in, int h_out, "
       "int y_offset) -> ()");
+  m.def(
+      "lora_shrink(Tensor inputs, Tensor[] lora_a_weights, "
+      "Tensor(a!) output_tensor, Tensor token_lora_indices, "
+      "float scaling=1.0) -> ()");
+  m.def(
+      "lora_expand(Tensor inputs, Tensor[] lora_b_weights, "
+      "Tensor(a!) output_tensor, Tensor token_lora_indices, "
+      "int offset_start=0, bool add_inputs=True) -> ()");
   m.def("isa() -> str", &IsaName);
   m.def("supported_isas() -> str[]", &SupportedIsas);
 }
@@ -272,6 +411,8 @@ TORCH_LIBRARY_IMPL(vllm_cpu_lora, CPU, m) {
   m.impl("sgmv_shrink", &SgmvShrink);
   m.impl("sgmv_expand", &SgmvExpand);
   m.impl("sgmv_expand_slice", &SgmvExpandSlice);
+  m.impl("lora_shrink", &LoraShrink);
+  m.impl("lora_expand", &LoraExpand);
   m.impl("dispatch_bgmv", &DispatchBgmv);
   m.impl("dispatch_bgmv_low_level", &DispatchBgmvLowLevel);
 }

@@ -21,6 +21,7 @@
 
 #include <initializer_list>
 
+#include "call_counts.h"
 #include "ops.h"
 
 namespace vllm_cpu_lora {
@@ -160,6 +161,31 @@ PyObject* EagerBgmvExpandSlice(PyObject*, PyObject* const* args,
   END_HANDLE_TH_ERRORS
 }
 
+// {op name: calls} of the ops called at least once in this process.
+PyObject* CallCounts(PyObject*, PyObject*) {
+  PyObject* counts = PyDict_New();
+  if (counts == nullptr) return nullptr;
+  for (int i = 0; i < static_cast<int>(OpName::kNumOps); ++i) {
+    const auto op = static_cast<OpName>(i);
+    const int64_t n = CallCount(op);
+    if (n == 0) continue;
+    PyObject* value = PyLong_FromLongLong(n);
+    const int failed = value == nullptr ||
+                       PyDict_SetItemString(counts, OpNameString(op), value);
+    Py_XDECREF(value);
+    if (failed) {
+      Py_DECREF(counts);
+      return nullptr;
+    }
+  }
+  return counts;
+}
+
+PyObject* ResetCounts(PyObject*, PyObject*) {
+  ResetCallCounts();
+  Py_RETURN_NONE;
+}
+
 PyMethodDef kMethods[] = {
     {"eager_bgmv_shrink", reinterpret_cast<PyCFunction>(EagerBgmvShrink),
      METH_FASTCALL,
@@ -173,6 +199,10 @@ PyMethodDef kMethods[] = {
      reinterpret_cast<PyCFunction>(EagerBgmvExpandSlice), METH_FASTCALL,
      "bgmv_expand_slice straight to the CPU kernel; False if torch.ops must "
      "dispatch it."},
+    {"call_counts", CallCounts, METH_NOARGS,
+     "{op name: calls} of the ops called at least once in this process."},
+    {"reset_call_counts", ResetCounts, METH_NOARGS,
+     "Sets every op's call count back to 0."},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace

@@ -1,0 +1,142 @@
+"""The multi-slice ops (`lora_shrink`, `lora_expand`: all the slices of a
+layer in one call) against the float64 oracle, on every ISA path.
+
+Same method as tests/test_ops.py, whose helpers these tests use: fresh random
+operands, NaN-poisoned outputs in overwrite mode, add-mode elements no
+product reaches kept bit for bit, the oracle's error bound. The slices have
+odd, unequal sizes; rows without an adapter (-1) are mixed in. A fused call
+must also equal the slice-by-slice calls of the per-slice ops bit for bit:
+it runs the same kernels on the same grouping.
+"""
+
+import pytest
+import torch
+from test_ops import (
+    BF16,
+    EXPAND_FAST_COMBOS,
+    F16,
+    F32,
+    KERNEL_THREADS,
+    PATTERNS,
+    SHRINK_FAST_COMBOS,
+    Call,
+    bgmv_indices,
+    check,
+    dtypes_id,
+    make_generator,
+    make_output,
+    make_values,
+    run_kernel,
+)
+
+from vllm_cpu_lora import ops
+
+# (tokens, hidden, rank, adapters, slice rows): one token, a decode batch,
+# more tokens than a work item; qkv-like (3) and gate_up-like (2) slices.
+SHAPES = (
+    (1, 64, 16, 3, (48, 16, 16)),
+    (5, 129, 8, 4, (37, 19)),
+    (40, 200, 16, 5, (96, 32, 32)),
+)
+# Expand: all slices start at offset_start, with spare columns both sides.
+OFFSET_START, SPARE = 3, 5
+
+
+def shrink_call(dtypes, shape, pattern, gen) -> Call:
+    """lora_shrink: out[s, :, :rank] = scale * x @ A[s].T."""
+    tokens, hidden, rank, loras, rows = shape
+    x_dtype, w_dtype, out_dtype = dtypes
+    x = make_values((tokens, hidden), x_dtype, gen)
+    weights = [
+        make_values((loras, 1, rank, hidden), w_dtype, gen) for _ in rows
+    ]
+    out = make_output((len(rows), tokens, rank + 2), out_dtype, gen, add=False)
+    idx = bgmv_indices(tokens, loras, pattern, gen, torch.int64)
+    args = [x, weights, out, idx, 0.75]
+    return Call("lora_shrink", args, 2, 0, 1, 4, hidden, False)
+
+
+def expand_call(dtypes, shape, pattern, add, gen) -> Call:
+    """lora_expand: out[:, c(s):c(s) + rows[s]] (+)= x[s] @ B[s].T."""
+    tokens, _, rank, loras, rows = shape
+    x_dtype, w_dtype, out_dtype = dtypes
+    x = make_values((len(rows), tokens, rank), x_dtype, gen)
+    weights = [make_values((loras, 1, n, rank), w_dtype, gen) for n in rows]
+    width = OFFSET_START + sum(rows) + SPARE
+    out = make_output((tokens, width), out_dtype, gen, add)
+    idx = bgmv_indices(tokens, loras, pattern, gen, torch.int64)
+    args = [x, weights, out, idx, OFFSET_START, add]
+    return Call("lora_expand", args, 2, 0, 1, None, rank, add)
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dtypes", SHRINK_FAST_COMBOS, ids=dtypes_id)
+def test_lora_shrink(dtypes, shape, pattern, isa):
+    gen = make_generator("lora_shrink", dtypes, shape, pattern)
+    check(shrink_call(dtypes, shape, pattern, gen), isa)
+
+
+@pytest.mark.parametrize("add", (False, True), ids=("store", "add"))
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dtypes", EXPAND_FAST_COMBOS, ids=dtypes_id)
+def test_lora_expand(dtypes, shape, pattern, add, isa):
+    gen = make_generator("lora_expand", dtypes, shape, pattern, add)
+    check(expand_call(dtypes, shape, pattern, add, gen), isa)
+
+
+# Mixed dtypes beyond the fast combinations, one shape each.
+OTHER_COMBOS = ((F16, BF16, F32), (BF16, F32, F16), (F32, F16, BF16))
+
+
+@pytest.mark.parametrize("dtypes", OTHER_COMBOS, ids=dtypes_id)
+def test_other_dtype_combinations(dtypes, isa):
+    gen = make_generator("multi-slice dtypes", dtypes)
+    check(shrink_call(dtypes, SHAPES[1], "mixed", gen), isa)
+    check(expand_call(dtypes, SHAPES[1], "mixed", True, gen), isa)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_fused_calls_equal_the_per_slice_ops(shape, isa):
+    # The per-slice calls run on as many threads as the fused ones, so that
+    # both split the work alike.
+    torch.set_num_threads(KERNEL_THREADS)
+    gen = make_generator("fused vs per slice", shape)
+    shrink = shrink_call(SHRINK_FAST_COMBOS[0], shape, "mixed", gen)
+    x, a_weights, buffer, idx, scale = shrink.args
+    per_slice = buffer.clone()
+    for s, weights in enumerate(a_weights):
+        ops.bgmv_shrink(x, weights, per_slice[s], idx, scale)
+    torch.testing.assert_close(
+        run_kernel(shrink, isa), per_slice, rtol=0, atol=0, equal_nan=True
+    )
+
+    expand = expand_call(EXPAND_FAST_COMBOS[0], shape, "mixed", True, gen)
+    inputs, b_weights, out, idx, offset, add = expand.args
+    per_slice = out.clone()
+    for s, weights in enumerate(b_weights):
+        rows = weights.size(-2)
+        ops.bgmv_expand_slice(
+            inputs[s], weights, per_slice, idx, offset, rows, add
+        )
+        offset += rows
+    torch.testing.assert_close(
+        run_kernel(expand, isa), per_slice, rtol=0, atol=0
+    )
+
+
+@pytest.mark.parametrize("op", ("lora_shrink", "lora_expand"))
+def test_opcheck(op):
+    """Schema (mutation annotations), fake impl and autograd registration
+    pass torch.library.opcheck."""
+    gen = make_generator("opcheck", op)
+    if op == "lora_shrink":
+        call = shrink_call(SHRINK_FAST_COMBOS[0], SHAPES[1], "mixed", gen)
+    else:
+        call = expand_call(EXPAND_FAST_COMBOS[0], SHAPES[1], "mixed", True, gen)
+    call.args[call.out] = make_values(call.output.shape, F32, gen).to(
+        call.output.dtype
+    )
+    overload = getattr(torch.ops.vllm_cpu_lora, op).default
+    torch.library.opcheck(overload, tuple(call.args))
