@@ -81,7 +81,7 @@ def session():
 def test_mixed_batch_runs_through_our_wrapper(session):
     report = session[0]["report"]
     assert report["wrappers"] == [plugin.WRAPPER]
-    assert report["calls"].get("sgmv_shrink", 0) > 0, report["calls"]
+    assert report["calls"].get("lora_shrink", 0) > 0, report["calls"]
 
 
 def test_answers_are_hf_peft_greedy_answers(session):

@@ -102,9 +102,11 @@ def _run_spec(spec: dict[str, Any]) -> dict[str, Any]:
     spec keys: ``model``; ``adapters`` (name -> path; IDs follow the order);
     ``batches``: lists of [prompt, adapter name or null]; ``max_tokens``;
     ``dtype``; ``max_lora_rank``; ``max_loras``; optional ``warmup`` (a
-    batch run first, untimed) and ``ignore_eos`` (default true: every
-    completion has ``max_tokens`` tokens). Errors in building the engine
-    or generating are returned as ``{"error": "Type: message"}``.
+    batch run first, untimed), ``ignore_eos`` (default true: every
+    completion has ``max_tokens`` tokens) and ``llm_args`` (more `LLM`
+    arguments, e.g. ``{"enforce_eager": false}``; eager by default).
+    Errors in building the engine or generating are returned as
+    ``{"error": "Type: message"}``.
     """
     from vllm import LLM, SamplingParams
     from vllm.lora.request import LoRARequest
@@ -129,9 +131,9 @@ def _run_spec(spec: dict[str, Any]) -> dict[str, Any]:
             enable_lora=True,
             max_loras=spec.get("max_loras", 2),
             max_lora_rank=spec["max_lora_rank"],
-            max_model_len=256,
-            enforce_eager=True,
             seed=0,
+            **{"max_model_len": 256, "enforce_eager": True}
+            | spec.get("llm_args", {}),
         )
     except Exception as e:  # reported to the parent
         result["error"] = f"{type(e).__name__}: {e}"

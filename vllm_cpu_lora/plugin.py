@@ -7,6 +7,18 @@ the CPU platform's `get_punica_wrapper()` name
 `vllm_cpu_lora.punica.PunicaWrapperCPULoRA`, so vLLM's LoRA model manager
 builds that wrapper instead of `PunicaWrapperCPU`.
 
+With the wrapper in place it also lets vLLM compile the model with LoRA:
+vLLM's CPU platform compiles by default (`CompilationMode.DYNAMO_TRACE_ONCE`,
+inductor) but sets `CompilationMode.NONE` as soon as a LoRA config exists,
+since its own wrapper's per-batch Python state would be frozen into the
+traced graph. This package's wrapper has none (see `vllm_cpu_lora.punica`),
+so the platform's config step runs as it would without LoRA: the model gets
+the mode it gets without LoRA, and `enforce_eager` or a compilation config
+of the user's own still decide. It stays eager, with a logged reason, on a
+vLLM release the suite does not run (its LoRA layers may read state that
+the wrapper does not cover) and for pooling models (vLLM's classifier LoRA
+heads read per-batch Python state themselves).
+
 It changes nothing:
 
 * on platforms other than vLLM's CPU platform;
@@ -32,6 +44,7 @@ request changes no result; it is a no-op on CPUs without AMX.
 
 import logging
 import os
+from typing import Any
 
 from vllm_cpu_lora import vllm_compat
 
@@ -76,6 +89,53 @@ def _request_amx_tiles() -> None:
             "vllm_cpu_lora: the OS refused AMX tile state: vLLM's AMX "
             "kernels may fail with SIGILL"
         )
+
+
+def _why_lora_stays_eager(vllm_config: Any, version: str) -> str | None:
+    """Why a LoRA model must not be compiled, or None (see module doc)."""
+    if not vllm_compat.is_tested(version):
+        return f"vLLM {version} is not a release this package is tested with"
+    runner = getattr(vllm_config.model_config, "runner_type", "generate")
+    if runner != "generate":
+        return (
+            f"a {runner} model: vLLM's LoRA classifier heads read per-batch "
+            "Python state"
+        )
+    return None
+
+
+def _compile_with_lora(platform_cls: Any, version: str) -> None:
+    """Makes the platform's config step choose the compilation mode for a
+    LoRA model as it does without LoRA, where that is safe."""
+    check_and_update_config = platform_cls.check_and_update_config.__func__
+
+    def check_with_lora(cls: Any, vllm_config: Any) -> None:
+        lora_config = vllm_config.lora_config
+        if lora_config is None:
+            check_and_update_config(cls, vllm_config)
+            return
+        reason = _why_lora_stays_eager(vllm_config, version)
+        if reason is not None:
+            check_and_update_config(cls, vllm_config)
+            logger.warning(
+                "vllm_cpu_lora: the LoRA model runs eager (compilation mode "
+                "NONE): %s",
+                reason,
+            )
+            return
+        # The one place the platform reads the LoRA config is where it
+        # turns compilation off.
+        vllm_config.lora_config = None
+        try:
+            check_and_update_config(cls, vllm_config)
+        finally:
+            vllm_config.lora_config = lora_config
+        logger.info(
+            "vllm_cpu_lora: LoRA with compilation mode %s, as without LoRA",
+            vllm_config.compilation_config.mode.name,
+        )
+
+    platform_cls.check_and_update_config = classmethod(check_with_lora)
 
 
 def register() -> None:
@@ -125,6 +185,7 @@ def register() -> None:
 
     platform_cls = type(current_platform)
     platform_cls.get_punica_wrapper = classmethod(lambda cls: WRAPPER)
+    _compile_with_lora(platform_cls, vllm.__version__)
     logger.info(
         "vllm_cpu_lora: LoRA on CPU uses %s (kernels: ISA path %s, from %s)",
         WRAPPER,

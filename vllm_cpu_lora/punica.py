@@ -1,25 +1,32 @@
 """vLLM Punica wrapper for CPUs that runs this package's C++ LoRA kernels.
 
-`PunicaWrapperCPULoRA` is vLLM's `PunicaWrapperCPU` (metadata, slicing and
-buffers unchanged) with every op it calls from `vllm.lora.ops.torch_ops`
-replaced by its drop-in from `vllm_cpu_lora.ops`: shrink, expand and
-expand_slice, in the prefill (sgmv) and decode (bgmv) forms, as used by
-linear, embedding, logits and full-linear (classifier) LoRA layers.
+`PunicaWrapperCPULoRA` is vLLM's `PunicaWrapperCPU` (metadata and buffers
+unchanged) with its LoRA application replaced: a linear layer's LoRA is one
+`lora_shrink` and one `lora_expand` call over all its slices (qkv: 3,
+gate_up: 2) where vLLM's wrapper loops over the slices in Python, and
+embedding, logits and full-linear (classifier) LoRA run this package's bgmv
+ops where vLLM's run its torch ops.
 
-vLLM picks it through `vllm_cpu_lora.plugin`. Each op call is counted per
-process (`call_counts()`); the first call of each op is logged with its
-shapes and dtypes, so a log shows which ops were routed here. Importing this
-module needs vLLM.
+What the layers inside the model call (`add_shrink`, `add_expand`,
+`add_lora_linear`, `add_lora_embedding`) reads no per-batch Python state:
+the token count comes from the input's shape and each token's adapter from
+the `_token_lora_indices` buffer, which vLLM updates in place before every
+step. A model compiled once (vLLM's `DYNAMO_TRACE_ONCE`, which then skips
+dynamo's guards) therefore stays right for every later batch, where vLLM's
+wrapper would replay the prefill/decode choice, `no_lora` and segment counts
+of the batch it was traced with.
+
+vLLM picks it through `vllm_cpu_lora.plugin`. The ops count their own calls
+per process (`call_counts()`), compiled graphs' calls included. Importing
+this module needs vLLM.
 """
 
-import collections
 from typing import Any
 
 import torch
-from vllm.logger import init_logger
 from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
 
-from vllm_cpu_lora import ops
+from vllm_cpu_lora import _C, ops
 
 __all__ = [
     "PunicaWrapperCPULoRA",
@@ -28,141 +35,130 @@ __all__ = [
     "worker_lora_report",
 ]
 
-# Under "vllm" so that vLLM's logging configuration applies to it.
-logger = init_logger("vllm.plugins." + __name__)
-
-_calls: collections.Counter[str] = collections.Counter()
-
 
 def call_counts() -> dict[str, int]:
-    """Returns how often each op ran through this process's wrappers."""
-    return dict(_calls)
+    """How often each op of this package ran in this process."""
+    return _C.call_counts()
 
 
 def reset_call_counts() -> None:
-    """Forgets the counts `call_counts` returns (the first-call log too)."""
-    _calls.clear()
-
-
-def _describe(tensor: torch.Tensor) -> str:
-    dtype = str(tensor.dtype).removeprefix("torch.")
-    return f"{dtype}{list(tensor.shape)}"
-
-
-def _count(
-    op: str, inputs: torch.Tensor, weights: torch.Tensor, output: torch.Tensor
-) -> None:
-    if op not in _calls:
-        logger.info(
-            "vllm_cpu_lora: first %s call: inputs %s, weights %s, output %s",
-            op,
-            _describe(inputs),
-            _describe(weights),
-            _describe(output),
-        )
-    _calls[op] += 1
+    """Sets the counts `call_counts` returns back to 0."""
+    _C.reset_call_counts()
 
 
 class PunicaWrapperCPULoRA(PunicaWrapperCPU):
-    """`PunicaWrapperCPU` on `vllm_cpu_lora`'s kernels.
+    """`PunicaWrapperCPU` on `vllm_cpu_lora`'s kernels, safe to compile.
 
-    Same constructor, metadata and semantics as vLLM's wrapper; only the
-    kernels differ. Slices are still applied one op call at a time.
+    Same constructor, metadata and semantics as vLLM's wrapper.
     """
 
-    # vLLM's property (PunicaWrapperBase), typed here too for a check that
-    # runs without vLLM, where the base class is Any and `*` of it would
-    # fill every parameter: seq_start_locs, seq_lengths,
-    # lora_indices_per_batch, batch_size, max_length, token_nums.
-    prefill_metadata: tuple[
-        torch.Tensor, torch.Tensor, torch.Tensor, int, int, int
-    ]
-
-    def _shrink_prefill(
+    def update_metadata(
         self,
-        y: torch.Tensor,
+        mapping: Any,
+        lora_index_to_id: list[int | None],
+        max_loras: int,
+        vocab_size: int,
+        **kwargs: Any,
+    ) -> None:
+        super().update_metadata(
+            mapping, lora_index_to_id, max_loras, vocab_size, **kwargs
+        )
+        # The layers read one entry per input row: rows past the mapping
+        # (padding) get no LoRA rather than a stale or uninitialised index.
+        self._token_lora_indices[self.indices_len[0] :].fill_(-1)
+
+    def _token_indices(self, num_tokens: int) -> torch.Tensor:
+        # Sliced by the input's (symbolic, when traced) row count, not by
+        # vLLM's Python-side length.
+        return self._token_lora_indices[:num_tokens]
+
+    def add_shrink(
+        self,
+        y: tuple[torch.Tensor, ...] | torch.Tensor,
         x: torch.Tensor,
-        w_t_all: torch.Tensor,
+        lora_a_stacked: tuple[torch.Tensor, ...],
         scale: float,
+        **kwargs: Any,
     ) -> None:
-        if self.no_lora:
+        """``y[s] = scale * x @ lora_a_stacked[s]`` per token's adapter, for
+        every slice s (zeros for tokens without one)."""
+        x = x.view(-1, x.shape[-1])
+        indices = self._token_indices(x.size(0))
+        if isinstance(y, torch.Tensor):
+            ops.lora_shrink(x, list(lora_a_stacked), y, indices, scale)
             return
-        _count("sgmv_shrink", x, w_t_all, y)
-        ops.sgmv_shrink(x, w_t_all, y, *self.prefill_metadata, scale)
+        for y_slice, a_slice in zip(y, lora_a_stacked, strict=True):
+            ops.lora_shrink(x, [a_slice], y_slice.unsqueeze(0), indices, scale)
 
-    def _shrink_decode(
+    def add_expand(
         self,
         y: torch.Tensor,
-        x: torch.Tensor,
-        w_t_all: torch.Tensor,
-        scale: float,
+        x: tuple[torch.Tensor, ...] | torch.Tensor,
+        lora_b_stacked: tuple[torch.Tensor, ...],
+        output_slices: tuple[int, ...],
+        offset_start: int = 0,
+        add_inputs: bool = True,
+        **kwargs: Any,
     ) -> None:
-        _count("bgmv_shrink", x, w_t_all, y)
-        ops.bgmv_shrink(x, w_t_all, y, self.token_lora_indices, scale)
-
-    def _expand_prefill(
-        self,
-        y: torch.Tensor,
-        x: torch.Tensor,
-        w_t_all: torch.Tensor,
-        add_inputs: bool,
-    ) -> None:
-        if self.no_lora:
-            return
-        _count("sgmv_expand", x, w_t_all, y)
-        ops.sgmv_expand(x, w_t_all, y, *self.prefill_metadata, add_inputs)
-
-    def _expand_decode(
-        self,
-        y: torch.Tensor,
-        x: torch.Tensor,
-        w_t_all: torch.Tensor,
-        add_inputs: bool,
-    ) -> None:
-        _count("bgmv_expand", x, w_t_all, y)
-        ops.bgmv_expand(x, w_t_all, y, self.token_lora_indices, add_inputs)
-
-    def _expand_slice_prefill(
-        self,
-        y: torch.Tensor,
-        x: torch.Tensor,
-        w_t_all: torch.Tensor,
-        y_offset: int,
-        y_slice_size: int,
-        add_inputs: bool,
-    ) -> None:
-        if self.no_lora:
-            return
-        _count("sgmv_expand_slice", x, w_t_all, y)
-        ops.sgmv_expand_slice(
+        """``y[:, offset:offset + output_slices[s]] (+)= x[s] @
+        lora_b_stacked[s]`` per token's adapter, the slices side by side
+        from `offset_start`; tokens without an adapter are left alone."""
+        rows = tuple(b.size(-2) for b in lora_b_stacked)
+        if tuple(output_slices) != rows:
+            raise ValueError(
+                f"output_slices {tuple(output_slices)} differ from the rows "
+                f"{rows} of lora_b_stacked"
+            )
+        y = y.view(-1, y.shape[-1])
+        if not isinstance(x, torch.Tensor):
+            x = torch.stack(x)
+        ops.lora_expand(
             x,
-            w_t_all,
+            list(lora_b_stacked),
             y,
-            *self.prefill_metadata,
-            y_offset,
-            y_slice_size,
+            self._token_indices(y.size(0)),
+            offset_start,
             add_inputs,
         )
 
-    def _expand_slice_decode(
+    def add_lora_embedding(
         self,
         y: torch.Tensor,
         x: torch.Tensor,
-        w_t_all: torch.Tensor,
-        y_offset: int,
-        y_slice_size: int,
-        add_inputs: bool,
+        lora_b_stacked: torch.Tensor,
+        add_inputs: bool = True,
+        **kwargs: Any,
     ) -> None:
-        _count("bgmv_expand_slice", x, w_t_all, y)
-        ops.bgmv_expand_slice(
-            x,
-            w_t_all,
-            y,
-            self.token_lora_indices,
-            y_offset,
-            y_slice_size,
-            add_inputs,
+        """``y (+)= x @ lora_b_stacked`` per token's adapter, for
+        `VocabParallelEmbeddingWithLoRA`."""
+        ops.bgmv_expand(
+            x, lora_b_stacked, y, self._token_indices(x.size(0)), add_inputs
         )
+
+    def add_lora_linear(
+        self,
+        y: torch.Tensor,
+        x: torch.Tensor,
+        lora_a_stacked: tuple[torch.Tensor, ...],
+        lora_b_stacked: tuple[torch.Tensor, ...],
+        scale: float,
+        output_slices: tuple[int, ...],
+        *,
+        buffer: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """``y += scale * x @ lora_a_stacked[s] @ lora_b_stacked[s]`` per
+        token's adapter, slice s into its columns: one shrink and one
+        expand call, through an fp32 buffer as vLLM's wrappers."""
+        x = x.view(-1, x.shape[-1])
+        if buffer is None:
+            buffer = torch.zeros(
+                (len(output_slices), x.size(0), lora_b_stacked[0].size(-1)),
+                dtype=torch.float32,
+                device=x.device,
+            )
+        self.add_shrink(buffer, x, lora_a_stacked, scale)
+        self.add_expand(y, buffer, lora_b_stacked, output_slices)
 
     def add_lora_logits(
         self,
@@ -188,9 +184,7 @@ class PunicaWrapperCPULoRA(PunicaWrapperCPU):
             buffer = torch.zeros(
                 (x.size(0), r), dtype=torch.float32, device=x.device
             )
-        _count("bgmv_shrink", x, lora_a_stacked, buffer)
         ops.bgmv_shrink(x, lora_a_stacked, buffer, self.sampler_indices, scale)
-        _count("bgmv_expand", buffer, lora_b_stacked, y)
         ops.bgmv_expand(
             buffer, lora_b_stacked, y, self.sampler_indices, add_inputs=True
         )
@@ -211,7 +205,6 @@ class PunicaWrapperCPULoRA(PunicaWrapperCPU):
             dtype=torch.float32,
             device=x.device,
         )
-        _count("bgmv_shrink", x, weight_stacked, adapter_y)
         ops.bgmv_shrink(x, weight_stacked, adapter_y, indices, 1.0)
         result = self._select_full_linear_output(
             y, adapter_y, bias_stacked, module_enabled
@@ -235,7 +228,9 @@ def worker_lora_report(worker: Any = None) -> dict[str, Any]:
         worker: The vLLM worker (`collective_rpc` passes it).
 
     Returns:
-        ``{"wrappers": [qualified class names], "calls": call_counts()}``.
+        ``{"wrappers": [qualified class names], "calls": call_counts(),
+        "compilation_mode": the worker's vLLM compilation mode name,
+        "dynamo_graphs": graphs torch.compile captured in this process}``.
     """
     wrappers = sorted(
         {
@@ -243,4 +238,11 @@ def worker_lora_report(worker: Any = None) -> dict[str, Any]:
             for w in _punica_wrappers(worker)
         }
     )
-    return {"wrappers": wrappers, "calls": call_counts()}
+    config = getattr(worker, "vllm_config", None)
+    mode = getattr(getattr(config, "compilation_config", None), "mode", None)
+    return {
+        "wrappers": wrappers,
+        "calls": call_counts(),
+        "compilation_mode": getattr(mode, "name", None),
+        "dynamo_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
+    }
