@@ -76,7 +76,7 @@ def run_vllm_child(
                 "--out",
                 str(out_file),
             ],
-            env=child_env(disable_plugin),
+            env={**child_env(disable_plugin), **spec.get("env", {})},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -102,9 +102,14 @@ def _run_spec(spec: dict[str, Any]) -> dict[str, Any]:
     spec keys: ``model``; ``adapters`` (name -> path; IDs follow the order);
     ``batches``: lists of [prompt, adapter name or null]; ``max_tokens``;
     ``dtype``; ``max_lora_rank``; ``max_loras``; optional ``warmup`` (a
-    batch run first, untimed) and ``ignore_eos`` (default true: every
-    completion has ``max_tokens`` tokens). Errors in building the engine
-    or generating are returned as ``{"error": "Type: message"}``.
+    batch run first, untimed), ``ignore_eos`` (default true: every
+    completion has ``max_tokens`` tokens), ``tensor_parallel_size``
+    (default 1), ``fully_sharded_loras`` (default false), ``enforce_eager``
+    (default true) and ``env`` (variables `run_vllm_child` adds to the
+    child's environment, e.g. vLLM's CPU thread binding). Errors in
+    building the engine or generating are returned as ``{"error": "Type:
+    message"}``. ``reports`` holds `worker_lora_report` of every worker
+    (one per rank), ``report`` the first.
     """
     from vllm import LLM, SamplingParams
     from vllm.lora.request import LoRARequest
@@ -130,7 +135,9 @@ def _run_spec(spec: dict[str, Any]) -> dict[str, Any]:
             max_loras=spec.get("max_loras", 2),
             max_lora_rank=spec["max_lora_rank"],
             max_model_len=256,
-            enforce_eager=True,
+            tensor_parallel_size=spec.get("tensor_parallel_size", 1),
+            fully_sharded_loras=spec.get("fully_sharded_loras", False),
+            enforce_eager=spec.get("enforce_eager", True),
             seed=0,
         )
     except Exception as e:  # reported to the parent
@@ -166,7 +173,8 @@ def _run_spec(spec: dict[str, Any]) -> dict[str, Any]:
     except Exception as e:  # reported to the parent
         result["error"] = f"{type(e).__name__}: {e}"
         return result
-    result["report"] = llm.collective_rpc(worker_lora_report)[0]
+    result["reports"] = llm.collective_rpc(worker_lora_report)
+    result["report"] = result["reports"][0]
     return result
 
 
