@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The vLLM integration tests (tests/test_punica_wrapper.py,
-# tests/test_vllm_e2e.py, tests/test_vllm_serve.py, tests/test_vllm_soak.py,
-# tests/test_vllm_bad_requests.py, tests/test_vllm_adapters_work.py,
-# tests/test_vllm_compiled.py) in an
+# tests/test_vllm_e2e.py, tests/test_vllm_tp.py, tests/test_vllm_serve.py,
+# tests/test_vllm_soak.py, tests/test_vllm_bad_requests.py,
+# tests/test_vllm_adapters_work.py, tests/test_vllm_compiled.py) in an
 # environment with CPU vLLM
 # (scripts/setup_vllm_env.sh).
 #
@@ -24,9 +24,9 @@ log="$(mktemp)"
 trap 'rm -f "$log"' EXIT
 set +e
 "$venv/bin/python" -m pytest -q -rs tests/test_punica_wrapper.py \
-  tests/test_vllm_e2e.py tests/test_vllm_serve.py tests/test_vllm_soak.py \
-  tests/test_vllm_bad_requests.py tests/test_vllm_adapters_work.py \
-  tests/test_vllm_compiled.py "$@" 2>&1 |
+  tests/test_vllm_e2e.py tests/test_vllm_tp.py tests/test_vllm_serve.py \
+  tests/test_vllm_soak.py tests/test_vllm_bad_requests.py \
+  tests/test_vllm_adapters_work.py tests/test_vllm_compiled.py "$@" 2>&1 |
   tee "$log"
 status=${PIPESTATUS[0]}
 set -e

@@ -30,8 +30,6 @@ minutes: each vLLM child process starts an engine (about 30 s).
 
 import importlib.metadata
 import importlib.util
-import subprocess
-import sys
 
 import pytest
 
@@ -46,29 +44,20 @@ if _missing:
 
 import torch  # noqa: E402
 import vllm  # noqa: E402
+from tiny_vllm import (  # noqa: E402
+    REQUESTS,
+    ROUTED_OPS,
+    P,
+    assert_hf_greedy,
+    build_models,
+    hf_logits,
+    outputs,
+    spec,
+)
 
 from vllm_cpu_lora import offline, plugin, tiny_model, vllm_compat  # noqa: E402
 
 VLLM_WRAPPER = "vllm.lora.punica_wrapper.punica_cpu.PunicaWrapperCPU"
-MAX_TOKENS = 12
-P = tiny_model.PROMPTS
-# The first prompt goes with each adapter and none, so the adapters must
-# visibly change the output.
-REQUESTS = [
-    (P[0], "adapter-1"),
-    (P[0], None),
-    (P[0], "adapter-2"),
-    (P[1], "adapter-2"),
-    (P[2], None),
-    (P[3], "adapter-1"),
-    (P[4], "adapter-1"),
-    (P[5], "adapter-2"),
-    (P[6], None),
-]
-# Linear layers run the multi-slice ops, one shrink and one expand call per
-# layer (the bgmv ops serve embeddings, logits and full-linear heads:
-# tests/test_punica_wrapper).
-ROUTED_OPS = {"lora_shrink", "lora_expand"}
 # bf16: largest allowed gap between HF's (float32) best logit and the logit
 # of the token vLLM chose. The tiny model's logits lie within about +-4 and
 # bf16 moves them by up to 0.05 (HF in bf16 against HF in float32); a wrong
@@ -77,37 +66,9 @@ ROUTED_OPS = {"lora_shrink", "lora_expand"}
 BF16_GAP = 0.15
 
 
-def _is_cpu_vllm() -> bool:
-    probe = (
-        "from vllm.platforms import current_platform as p; "
-        "import sys; sys.exit(0 if p.is_cpu() else 3)"
-    )
-    return subprocess.run([sys.executable, "-c", probe]).returncode == 0
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    if not _is_cpu_vllm():
-        pytest.skip("vLLM is installed but is not a CPU build")
-    work = tmp_path_factory.mktemp("vllm_e2e")
-    base = tiny_model.build_tiny_llama(work / "tiny-llama")
-    return {
-        "base": str(base),
-        "adapter-1": str(
-            tiny_model.build_lora_adapter(base, work / "lora-1", seed=1, rank=8)
-        ),
-        "adapter-2": str(
-            tiny_model.build_lora_adapter(
-                base, work / "lora-2", seed=2, rank=16, alpha=24
-            )
-        ),
-        "rank-32": str(
-            tiny_model.build_lora_adapter(
-                base, work / "lora-32", seed=3, rank=32
-            )
-        ),
-        "missing": str(work / "no-such-adapter"),
-    }
+    return build_models(tmp_path_factory.mktemp("vllm_e2e"))
 
 
 @pytest.fixture(scope="module")
@@ -121,42 +82,19 @@ def run(models, tmp_path_factory):
         dtype,
         disable=False,
         adapters=("adapter-1", "adapter-2"),
-        requests=tuple(REQUESTS),
+        requests=REQUESTS,
     ):
         key = (dtype, disable, adapters, requests)
         if key not in cache:
-            spec = {
-                "model": models["base"],
-                "adapters": {name: models[name] for name in adapters},
-                "batches": [list(requests)],
-                "max_tokens": MAX_TOKENS,
-                "dtype": dtype,
-                "max_lora_rank": 16,
-                "max_loras": 2,
-            }
             log = logs / f"{dtype}-{'off' if disable else 'on'}-{len(cache)}"
             cache[key] = offline.run_vllm_child(
-                spec, disable_plugin=disable, log_path=log
+                spec(models, dtype, adapters, requests),
+                disable_plugin=disable,
+                log_path=log,
             )
         return cache[key]
 
     return _run
-
-
-def _outputs(result):
-    assert result["error"] is None, (
-        f"vLLM failed: {result['error']}\n{result['log'][-6000:]}"
-    )
-    return result["batches"][0]["outputs"]
-
-
-def _hf_logits(models, outputs):
-    adapters = {name: models[name] for name in ("adapter-1", "adapter-2")}
-    sequences = [
-        (out["prompt_token_ids"], out["token_ids"], adapter)
-        for out, (_, adapter) in zip(outputs, REQUESTS, strict=True)
-    ]
-    return tiny_model.hf_next_token_logits(models["base"], adapters, sequences)
 
 
 def test_plugin_entry_point_is_installed():
@@ -172,27 +110,11 @@ def test_plugin_entry_point_is_installed():
 
 def test_float32_matches_hf_and_routes_through_plugin(models, run):
     result = run("float32")
-    outputs = _outputs(result)
-
     report = result["report"]
     assert report["wrappers"] == [plugin.WRAPPER]
     assert ROUTED_OPS <= set(report["calls"]), report["calls"]
     assert "vllm_cpu_lora: LoRA on CPU uses" in result["log"]
-
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(models["base"])
-    for out, (prompt, _) in zip(outputs, REQUESTS, strict=True):
-        assert out["prompt_token_ids"] == tokenizer(prompt)["input_ids"]
-        assert len(out["token_ids"]) == MAX_TOKENS
-
-    hf = _hf_logits(models, outputs)
-    for out, logits, request in zip(outputs, hf, REQUESTS, strict=True):
-        assert out["token_ids"] == logits.argmax(-1).tolist(), request
-
-    # The adapters change the output (else this test would prove little).
-    with_a1, base, with_a2 = (o["token_ids"] for o in outputs[:3])
-    assert with_a1 != base and with_a2 != base and with_a1 != with_a2
+    assert_hf_greedy(models, outputs(result))
 
 
 # vLLM before 0.33 adds an adapter to the rows without one in its own ops
@@ -207,9 +129,9 @@ FALLBACK_CORRECT = [
 
 
 def test_float32_disabled_falls_back_to_vllm(run):
-    ours = _outputs(run("float32"))
+    ours = outputs(run("float32"))
     result = run("float32", disable=True)
-    theirs = _outputs(result)
+    theirs = outputs(result)
     assert result["report"]["wrappers"] == [VLLM_WRAPPER]
     assert result["report"]["calls"] == {}
     assert "VLLM_CPU_LORA_DISABLE is set" in result["log"]
@@ -232,18 +154,18 @@ def _gaps(logits, token_ids):
 
 def test_bfloat16_matches_hf_within_rounding(models, run):
     result = run("bfloat16")
-    outputs = _outputs(result)
+    outs = outputs(result)
     assert result["report"]["wrappers"] == [plugin.WRAPPER]
     assert ROUTED_OPS <= set(result["report"]["calls"])
-    hf = _hf_logits(models, outputs)
-    for out, logits, request in zip(outputs, hf, REQUESTS, strict=True):
+    hf = hf_logits(models, outs)
+    for out, logits, request in zip(outs, hf, REQUESTS, strict=True):
         gaps = _gaps(logits, out["token_ids"])
         assert float(gaps.max()) <= BF16_GAP, (request, gaps.tolist())
 
     # The check tells adapters apart: adapter 1's tokens, scored without it
     # or with adapter 2, are far from greedy.
     adapters = {name: models[name] for name in ("adapter-1", "adapter-2")}
-    out = outputs[0]
+    out = outs[0]
     wrong = tiny_model.hf_next_token_logits(
         models["base"],
         adapters,
@@ -258,12 +180,12 @@ def test_bfloat16_matches_hf_within_rounding(models, run):
 
 def test_bfloat16_disabled_falls_back_to_vllm(models, run):
     result = run("bfloat16", disable=True)
-    outputs = _outputs(result)
+    outs = outputs(result)
     assert result["report"]["wrappers"] == [VLLM_WRAPPER]
     assert result["report"]["calls"] == {}
-    hf = _hf_logits(models, outputs)
+    hf = hf_logits(models, outs)
     for out, logits, request, correct in zip(
-        outputs, hf, REQUESTS, FALLBACK_CORRECT, strict=True
+        outs, hf, REQUESTS, FALLBACK_CORRECT, strict=True
     ):
         if correct:
             gaps = _gaps(logits, out["token_ids"])

@@ -76,7 +76,7 @@ def run_vllm_child(
                 "--out",
                 str(out_file),
             ],
-            env=child_env(disable_plugin),
+            env={**child_env(disable_plugin), **spec.get("env", {})},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -103,10 +103,13 @@ def _run_spec(spec: dict[str, Any]) -> dict[str, Any]:
     ``batches``: lists of [prompt, adapter name or null]; ``max_tokens``;
     ``dtype``; ``max_lora_rank``; ``max_loras``; optional ``warmup`` (a
     batch run first, untimed), ``ignore_eos`` (default true: every
-    completion has ``max_tokens`` tokens) and ``llm_args`` (more `LLM`
-    arguments, e.g. ``{"enforce_eager": false}``; eager by default).
-    Errors in building the engine or generating are returned as
-    ``{"error": "Type: message"}``.
+    completion has ``max_tokens`` tokens), ``llm_args`` (more `LLM`
+    arguments, e.g. ``{"enforce_eager": false, "tensor_parallel_size":
+    2}``; eager by default) and ``env`` (variables `run_vllm_child` adds to
+    the child's environment, e.g. vLLM's CPU thread binding). Errors in
+    building the engine or generating are returned as ``{"error": "Type:
+    message"}``. ``reports`` holds `worker_lora_report` of every worker
+    (one per rank), ``report`` the first.
     """
     from vllm import LLM, SamplingParams
     from vllm.lora.request import LoRARequest
@@ -168,7 +171,8 @@ def _run_spec(spec: dict[str, Any]) -> dict[str, Any]:
     except Exception as e:  # reported to the parent
         result["error"] = f"{type(e).__name__}: {e}"
         return result
-    result["report"] = llm.collective_rpc(worker_lora_report)[0]
+    result["reports"] = llm.collective_rpc(worker_lora_report)
+    result["report"] = result["reports"][0]
     return result
 
 
