@@ -893,7 +893,8 @@ def _snapshot(tensor: torch.Tensor) -> torch.Tensor | None:
 
 def _eager_too(entry: Bad) -> bool:
     """Whether `vllm_cpu_lora.ops` must fail on the entry as torch.ops does:
-    a decode op (whose eager fast path in _C checks the arguments itself)
+    a decode or multi-slice op (whose eager fast path in _C checks the
+    arguments itself)
     with CPU inputs (other inputs go to the reference)."""
     if entry.op not in EAGER_OPS:
         return False
@@ -903,7 +904,13 @@ def _eager_too(entry: Bad) -> bool:
     return isinstance(inputs, torch.Tensor) and inputs.is_cpu
 
 
-EAGER_OPS = ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice")
+EAGER_OPS = (
+    "bgmv_shrink",
+    "bgmv_expand",
+    "bgmv_expand_slice",
+    "lora_shrink",
+    "lora_expand",
+)
 # (entry, API): every entry through torch.ops.vllm_cpu_lora, the decode ops'
 # entries also through vllm_cpu_lora.ops.
 RUNS = [(e, "torch.ops") for e in ENTRIES] + [

@@ -9,6 +9,8 @@ must also equal the slice-by-slice calls of the per-slice ops bit for bit:
 it runs the same kernels on the same grouping.
 """
 
+import dataclasses
+
 import pytest
 import torch
 from test_ops import (
@@ -17,9 +19,13 @@ from test_ops import (
     F16,
     F32,
     KERNEL_THREADS,
+    NAN,
     PATTERNS,
     SHRINK_FAST_COMBOS,
     Call,
+    _eager,
+    _Passthrough,
+    _SeenOps,
     bgmv_indices,
     check,
     dtypes_id,
@@ -29,6 +35,7 @@ from test_ops import (
     run_kernel,
 )
 
+import vllm_cpu_lora
 from vllm_cpu_lora import ops
 
 # (tokens, hidden, rank, adapters, slice rows): one token, a decode batch,
@@ -140,3 +147,74 @@ def test_opcheck(op):
     )
     overload = getattr(torch.ops.vllm_cpu_lora, op).default
     torch.library.opcheck(overload, tuple(call.args))
+
+
+def _call(op: str, gen) -> Call:
+    if op == "lora_shrink":
+        return shrink_call(SHRINK_FAST_COMBOS[0], SHAPES[1], "mixed", gen)
+    return expand_call(EXPAND_FAST_COMBOS[0], SHAPES[1], "mixed", False, gen)
+
+
+@pytest.mark.parametrize("op", ("lora_shrink", "lora_expand"))
+def test_eager_fast_path_runs_the_kernel(op, isa):
+    """On plain CPU tensors (a Parameter among the weights, a tuple of
+    weights too) the fast path runs the kernel, with the oracle's result
+    and bit for bit the dispatched op's."""
+    for variant in ("list", "tuple with a parameter"):
+        call = _call(op, make_generator("eager", op, variant))
+        if variant != "list":
+            weights = call.args[call.w]
+            weights[0] = torch.nn.Parameter(weights[0], False)
+        check(call, isa, run=lambda c: (_eager(c) or None) and c.output)
+        dispatched = dataclasses.replace(
+            call, args=list(call.args), api=torch.ops.vllm_cpu_lora
+        )
+        dispatched.args[call.out] = torch.full_like(call.output, NAN)
+        call.args[call.out] = torch.full_like(call.output, NAN)
+        if variant != "list":
+            call.args[call.w] = tuple(call.args[call.w])
+        assert _eager(call)
+        run_kernel(dispatched, isa)
+        torch.testing.assert_close(
+            call.output, dispatched.output, rtol=0, atol=0, equal_nan=True
+        )
+
+
+@pytest.mark.parametrize("op", ("lora_shrink", "lora_expand"))
+def test_eager_fast_path_declines(op):
+    """Wherever the dispatcher has more to do than reach the CPU kernel (in
+    any slice's weights too), the fast path answers False without touching
+    the output, and ops reaches the op through the dispatcher."""
+    gen = make_generator("eager-declines", op)
+
+    def declined(call: Call) -> None:
+        before = call.output.clone()
+        assert _eager(call) is False
+        torch.testing.assert_close(
+            call.output, before, rtol=0, atol=0, equal_nan=True
+        )
+
+    call = _call(op, gen)
+    call.args[call.x].requires_grad_(True)
+    declined(call)
+
+    call = _call(op, gen)
+    call.args[call.w][-1] = call.args[call.w][-1].as_subclass(_Passthrough)
+    declined(call)
+
+    call = _call(op, gen)
+    call.args[call.w][-1] = call.args[call.w][-1].to("meta")
+    declined(call)
+
+    call = _call(op, gen)
+    call.args[call.w] = iter(call.args[call.w])
+    declined(call)
+
+    call = _call(op, gen)
+    with _SeenOps() as mode:
+        declined(call)
+        getattr(ops, op)(*call.args)
+    assert getattr(torch.ops.vllm_cpu_lora, op).default in mode.seen
+
+    with pytest.raises(TypeError, match="takes"):
+        getattr(vllm_cpu_lora._C, "eager_" + op)(*call.args[:-1])

@@ -18,11 +18,12 @@ __all__ = reference.__all__
 _cpu = {name: getattr(torch.ops.vllm_cpu_lora, name) for name in __all__}
 _compiling = torch.compiler.is_compiling
 
-# The decode ops first try the eager fast path of `_C` (py_module.cpp): it
-# runs the CPU kernel without the ~1.4 us of a torch.ops call and answers
-# False, having done nothing, whenever the dispatcher would have more to do
-# (autograd, a tensor subclass or mode, fake or non-CPU tensors). Under
-# torch.compile the branch is dead and the graph holds the torch.ops op.
+# The decode and multi-slice ops first try the eager fast path of `_C`
+# (py_module.cpp): it runs the CPU kernel without the ~1.4 us of a torch.ops
+# call and answers False, having done nothing, whenever the dispatcher would
+# have more to do (autograd, a tensor subclass or mode, fake or non-CPU
+# tensors). Under torch.compile the branch is dead and the graph holds the
+# torch.ops op.
 
 
 def bgmv_shrink(
@@ -186,6 +187,10 @@ def lora_shrink(
     token_lora_indices: torch.Tensor,
     scaling: float = 1.0,
 ) -> None:
+    if not _compiling() and _C.eager_lora_shrink(
+        inputs, lora_a_weights, output_tensor, token_lora_indices, scaling
+    ):
+        return
     impl = _cpu["lora_shrink"] if inputs.is_cpu else reference.lora_shrink
     impl(inputs, lora_a_weights, output_tensor, token_lora_indices, scaling)
 
@@ -198,6 +203,15 @@ def lora_expand(
     offset_start: int = 0,
     add_inputs: bool = True,
 ) -> None:
+    if not _compiling() and _C.eager_lora_expand(
+        inputs,
+        lora_b_weights,
+        output_tensor,
+        token_lora_indices,
+        offset_start,
+        add_inputs,
+    ):
+        return
     impl = _cpu["lora_expand"] if inputs.is_cpu else reference.lora_expand
     impl(
         inputs,

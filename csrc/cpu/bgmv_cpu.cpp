@@ -170,6 +170,8 @@ void CheckStacked(const at::Tensor& t, const char* name, int64_t slices,
               " slices, tokens, rank], got shape ", t.sizes());
 }
 
+}  // namespace
+
 // output_tensor[s, t, :rank] = scaling * inputs[t] @ lora_a_weights[s][a(t)].T
 // for each slice s, zeros where a(t) = -1.
 void LoraShrink(const at::Tensor& inputs, at::TensorList lora_a_weights,
@@ -250,6 +252,8 @@ void LoraExpand(const at::Tensor& inputs, at::TensorList lora_b_weights,
                                  views[0].num_adapters);
   for (const Product& p : products) Run(p, g.groups, g.tokens);
 }
+
+namespace {
 
 // max_seq_length and token_nums are hints only: the segments are read and
 // checked.

@@ -19,6 +19,8 @@
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <c10/util/SmallVector.h>
+
 #include <initializer_list>
 
 #include "call_counts.h"
@@ -161,6 +163,84 @@ PyObject* EagerBgmvExpandSlice(PyObject*, PyObject* const* args,
   END_HANDLE_TH_ERRORS
 }
 
+// A multi-slice op's weights: a list or tuple of plain CPU tensors, else
+// false.
+bool UnpackSlices(PyObject* obj, c10::SmallVector<at::Tensor, 3>* slices) {
+  if (!PyList_CheckExact(obj) && !PyTuple_CheckExact(obj)) return false;
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(obj);
+  PyObject** items = PySequence_Fast_ITEMS(obj);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    const at::Tensor* t = PlainCpu(items[i]);
+    if (t == nullptr) return false;
+    slices->push_back(*t);
+  }
+  return true;
+}
+
+// Checks the argument count and unpacks a multi-slice op's tensors: inputs,
+// the weights list, output and indices; false if any is not plain CPU.
+bool UnpackMultiSlice(PyObject* const* args, Py_ssize_t nargs, Py_ssize_t want,
+                      const char* op, const at::Tensor* (&t)[3],
+                      c10::SmallVector<at::Tensor, 3>* slices) {
+  if (nargs != want) {
+    PyErr_Format(PyExc_TypeError, "%s takes %zd arguments, got %zd", op, want,
+                 nargs);
+    return false;
+  }
+  t[0] = PlainCpu(args[0]);
+  t[1] = PlainCpu(args[2]);
+  t[2] = PlainCpu(args[3]);
+  return t[0] != nullptr && t[1] != nullptr && t[2] != nullptr &&
+         UnpackSlices(args[1], slices);
+}
+
+// Runs a multi-slice op as Run does: the GIL released for large calls, the
+// call recorded for the profiler.
+template <class Kernel>
+PyObject* RunMultiSlice(const char* name, const at::Tensor* const (&t)[3],
+                        c10::ArrayRef<at::Tensor> slices, Kernel&& kernel) {
+  {
+    // Work as for one slice's weights: the GIL threshold is coarse anyway.
+    GilRelease no_gil(*t[0], slices.empty() ? *t[0] : slices[0]);
+    RECORD_FUNCTION(name, std::vector<c10::IValue>({*t[0], *t[1], *t[2]}));
+    kernel();
+  }
+  Py_RETURN_TRUE;
+}
+
+PyObject* EagerLoraShrink(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  const at::Tensor* t[3];
+  c10::SmallVector<at::Tensor, 3> slices;
+  if (!UnpackMultiSlice(args, nargs, 5, "lora_shrink", t, &slices) ||
+      !(PyFloat_CheckExact(args[4]) || PyLong_CheckExact(args[4]))) {
+    return Declined();
+  }
+  const double scaling = PyFloat_AsDouble(args[4]);
+  if (PyErr_Occurred()) return nullptr;
+  return RunMultiSlice("vllm_cpu_lora::lora_shrink", t, slices, [&] {
+    LoraShrink(*t[0], slices, *t[1], *t[2], scaling);
+  });
+  END_HANDLE_TH_ERRORS
+}
+
+PyObject* EagerLoraExpand(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  const at::Tensor* t[3];
+  c10::SmallVector<at::Tensor, 3> slices;
+  if (!UnpackMultiSlice(args, nargs, 6, "lora_expand", t, &slices) ||
+      !PyLong_CheckExact(args[4]) || !PyBool_Check(args[5])) {
+    return Declined();
+  }
+  const int64_t offset_start = PyLong_AsLongLong(args[4]);
+  if (PyErr_Occurred()) return nullptr;
+  const bool add_inputs = args[5] == Py_True;
+  return RunMultiSlice("vllm_cpu_lora::lora_expand", t, slices, [&] {
+    LoraExpand(*t[0], slices, *t[1], *t[2], offset_start, add_inputs);
+  });
+  END_HANDLE_TH_ERRORS
+}
+
 // {op name: calls} of the ops called at least once in this process.
 PyObject* CallCounts(PyObject*, PyObject*) {
   PyObject* counts = PyDict_New();
@@ -198,6 +278,14 @@ PyMethodDef kMethods[] = {
     {"eager_bgmv_expand_slice",
      reinterpret_cast<PyCFunction>(EagerBgmvExpandSlice), METH_FASTCALL,
      "bgmv_expand_slice straight to the CPU kernel; False if torch.ops must "
+     "dispatch it."},
+    {"eager_lora_shrink", reinterpret_cast<PyCFunction>(EagerLoraShrink),
+     METH_FASTCALL,
+     "lora_shrink straight to the CPU kernel; False if torch.ops must "
+     "dispatch it."},
+    {"eager_lora_expand", reinterpret_cast<PyCFunction>(EagerLoraExpand),
+     METH_FASTCALL,
+     "lora_expand straight to the CPU kernel; False if torch.ops must "
      "dispatch it."},
     {"call_counts", CallCounts, METH_NOARGS,
      "{op name: calls} of the ops called at least once in this process."},
