@@ -21,7 +21,11 @@ ops with one adapter per sequence. Three implementations of the ops:
 * reference: ``vllm_cpu_lora.reference`` (vLLM's torch algorithm);
 * grouped: pure torch, tokens grouped by adapter, one ``torch.mm`` per
   adapter (``benchmarks.baselines``);
-* ours: ``vllm_cpu_lora.ops`` (the C++ kernels).
+* ours: ``vllm_cpu_lora.ops`` (the C++ kernels);
+* fused: the C++ kernels as ``PunicaWrapperCPULoRA`` calls them, one
+  ``lora_shrink`` and one ``lora_expand`` over all slices of a module (8
+  calls a layer instead of 14; decode and prefill alike get each token's
+  adapter).
 
 Adapters are cold, as when serving many of them: the LoRA weights live in a
 pool of distinct adapter slots larger than the L3 cache, and every LoRA
@@ -178,7 +182,7 @@ def check(prep: Prepared, base: BaseLayer, pool: LoraPool) -> dict[str, float]:
     want = got["reference"]
     delta = (want - plain).abs().max().item()
     errors = {}
-    for name in ("grouped", "ours"):
+    for name in IMPLS[1:]:
         err = (got[name] - want).abs().max().item()
         errors[name] = err / max(delta, 1e-30)
         if not errors[name] <= CHECK_RTOL:

@@ -1,8 +1,10 @@
 """The Llama-2-7B decoder layer of the layer benchmark, and its LoRA.
 
 The layer is computed the way vLLM does it, in bf16, without attention;
-LoRA is applied as vLLM's ``PunicaWrapperCPU.add_lora_linear`` does, with
-one of three implementations of the ops (``make_impls``). The weights are
+LoRA is applied as vLLM's ``PunicaWrapperCPU.add_lora_linear`` does (a
+shrink and an expand per slice) with one of three implementations of the
+ops, or as this package's wrapper does (one ``lora_shrink`` and one
+``lora_expand`` per module: "fused"); see ``make_impls``. The weights are
 kept cold: the base layer rotates through copies (``BaseLayer``), the
 adapters through a pool larger than the caches (``LoraPool``).
 """
@@ -36,7 +38,7 @@ MODULES = (
 
 _T = torch.Tensor
 # The implementations of the ops, in the order they are timed.
-IMPLS = ("reference", "grouped", "ours")
+IMPLS = ("reference", "grouped", "ours", "fused")
 
 # Layer outputs of grouped and ours against the reference's: max abs error
 # over max |reference - base| (the LoRA's effect on the output).
@@ -149,18 +151,58 @@ class LoraPool:
 # ----------------------------------------------------------------- LoRA
 
 
+# add_lora_linear(y, x, A slices, B slices, output slices).
+LinearFn = Callable[[_T, _T, list[_T], list[_T], tuple[int, ...]], None]
+
+
 @dataclasses.dataclass
 class Impl:
-    """One implementation's shrink and expand-slice for one case."""
+    """One implementation of a module's LoRA for one case."""
 
-    shrink: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
-    expand: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int], None]
+    linear: LinearFn
+
+
+def _per_slice(
+    shrink: Callable[[_T, _T, _T], None],
+    expand: Callable[[_T, _T, _T, int, int], None],
+) -> Impl:
+    """vLLM's ``PunicaWrapperCPU.add_lora_linear`` (no buffer given): a
+    zeroed fp32 buffer, a shrink and an expand-slice per slice."""
+
+    def linear(
+        y: _T, x: _T, a_slices: list[_T], b_slices: list[_T], slices: tuple
+    ) -> None:
+        buffers = [
+            torch.zeros(x.size(0), RANK, dtype=torch.float32) for _ in slices
+        ]
+        for a, buf in zip(a_slices, buffers, strict=True):
+            shrink(x, a, buf)
+        offset = 0
+        for b, buf, n in zip(b_slices, buffers, slices, strict=True):
+            expand(buf, b, y, offset, n)
+            offset += n
+
+    return Impl(linear)
+
+
+def _fused(token_indices: _T) -> Impl:
+    """``PunicaWrapperCPULoRA.add_lora_linear``: one shrink and one expand
+    over all slices, with each token's adapter."""
+
+    def linear(
+        y: _T, x: _T, a_slices: list[_T], b_slices: list[_T], slices: tuple
+    ) -> None:
+        buffer = torch.zeros(len(slices), x.size(0), RANK, dtype=torch.float32)
+        ops.lora_shrink(x, a_slices, buffer, token_indices, 1.0)
+        ops.lora_expand(buffer, b_slices, y, token_indices, 0, True)
+
+    return Impl(linear)
 
 
 def make_impls(
     indices: torch.Tensor, meta: tuple[Any, ...] | None
 ) -> dict[str, Impl]:
-    """The three implementations bound to a case's mapping.
+    """The implementations (IMPLS) bound to a case's mapping.
 
     Args:
         indices: decode: the adapter of each token.
@@ -169,7 +211,7 @@ def make_impls(
             token_nums); None for decode.
     """
     if meta is None:
-        idx = indices
+        idx = token_indices = indices
 
         def mod_shrink(mod: Any) -> Callable[..., None]:
             return lambda x, a, buf: mod.bgmv_shrink(x, a, buf, idx, 1.0)
@@ -189,6 +231,7 @@ def make_impls(
 
     else:
         starts, lengths, lora_idx, batches = meta[:4]
+        token_indices = torch.repeat_interleave(lora_idx, lengths)
 
         def mod_shrink(mod: Any) -> Callable[..., None]:
             return lambda x, a, buf: mod.sgmv_shrink(x, a, buf, *meta, 1.0)
@@ -216,30 +259,11 @@ def make_impls(
             )
 
     return {
-        "reference": Impl(mod_shrink(reference), mod_expand(reference)),
-        "grouped": Impl(grouped_shrink, grouped_expand),
-        "ours": Impl(mod_shrink(ops), mod_expand(ops)),
+        "reference": _per_slice(mod_shrink(reference), mod_expand(reference)),
+        "grouped": _per_slice(grouped_shrink, grouped_expand),
+        "ours": _per_slice(mod_shrink(ops), mod_expand(ops)),
+        "fused": _fused(token_indices),
     }
-
-
-def add_lora_linear(
-    impl: Impl,
-    y: torch.Tensor,
-    x: torch.Tensor,
-    a_slices: list[torch.Tensor],
-    b_slices: list[torch.Tensor],
-    slices: tuple[int, ...],
-) -> None:
-    """vLLM's ``PunicaWrapperCPU.add_lora_linear`` (no buffer given)."""
-    buffers = [
-        torch.zeros(x.size(0), RANK, dtype=torch.float32) for _ in slices
-    ]
-    for a, buf in zip(a_slices, buffers, strict=True):
-        impl.shrink(x, a, buf)
-    offset = 0
-    for b, buf, n in zip(b_slices, buffers, slices, strict=True):
-        impl.expand(buf, b, y, offset, n)
-        offset += n
 
 
 # ---------------------------------------------------------------- layer
@@ -272,7 +296,7 @@ def layer_forward(
         if lora is not None:
             impl, views = lora
             a, b = views[name]
-            add_lora_linear(impl, out, inp, a, b, slices[name])
+            impl.linear(out, inp, a, b, slices[name])
         return out
 
     qkv = proj("qkv_proj", rms_norm(x, norms[0]))
@@ -292,4 +316,4 @@ def lora_only(
     """The LoRA part of a layer alone, into preallocated outputs."""
     for name, _, slices in MODULES:
         a, b = views[name]
-        add_lora_linear(impl, outs[name], acts[name], a, b, slices)
+        impl.linear(outs[name], acts[name], a, b, slices)

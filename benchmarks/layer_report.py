@@ -165,7 +165,10 @@ def markdown_lines(
         "- **Implementations**: reference = `vllm_cpu_lora.reference` "
         "(vLLM's torch algorithm, `vllm/lora/ops/torch_ops`); grouped = "
         "pure torch, tokens grouped by adapter, one `torch.mm` per adapter "
-        "(`benchmarks/baselines.py`); ours = `vllm_cpu_lora.ops`.",
+        "(`benchmarks/baselines.py`); ours = `vllm_cpu_lora.ops`; fused "
+        "= the C++ kernels as `PunicaWrapperCPULoRA` calls them, one "
+        "`lora_shrink` and one `lora_expand` over all slices of a module "
+        "(8 op calls a layer instead of 14).",
         "- **Cold weights**: the LoRA weights are a pool of "
         f"{setup['pool_slots']} adapter slots ({setup['pool_bytes'] / GIB:.2f}"
         f" GiB; {setup['slot_bytes'] / MIB:.2f} MiB per adapter for the "
@@ -229,13 +232,13 @@ def write_plot(path: pathlib.Path, results: list[dict[str, Any]]) -> None:
         len(threads), 1, figsize=(13, 4.2 * len(threads)), squeeze=False
     )
     floor = 1e-3  # Shares below (or negative: noise) are drawn here.
-    colors = {"reference": "C3", "grouped": "C1", "ours": "C0"}
+    colors = {"reference": "C3", "grouped": "C1", "ours": "C0", "fused": "C2"}
     for ax, thr in zip(axes[:, 0], threads, strict=True):
         rows = [r for r in results if r["threads"] == thr]
         xs = range(len(rows))
-        width = 0.27
+        width = 0.8 / len(IMPLS)
         for k, name in enumerate(IMPLS):
-            pos = [x + (k - 1) * width for x in xs]
+            pos = [x + (k - (len(IMPLS) - 1) / 2) * width for x in xs]
             shares = [r["impls"][name]["share"] for r in rows]
             ax.bar(
                 pos,
