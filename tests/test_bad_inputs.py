@@ -5,9 +5,13 @@ with a message naming the offending argument, and must leave every tensor
 it was given bit-identical (outputs are poisoned first): the checks run
 before any memory is touched.
 
-The table runs in-process (one pytest case per entry) and once more in a
-child process (`python tests/test_bad_inputs.py` runs every entry), so a
-crash shows up as a test failure instead of killing the test run.
+Every entry runs through `torch.ops.vllm_cpu_lora`; the entries of the ops
+with an eager fast path also through `vllm_cpu_lora.ops`, and those of the
+multi-slice ops (which vLLM's compiled model calls) also from a
+`torch.compile`d function. The table runs in-process (one pytest case per
+entry and way) and once more in a child process (`python
+tests/test_bad_inputs.py` runs every entry), so a crash shows up as a test
+failure instead of killing the test run.
 
 Entries for known kernel bugs may carry `bug=` (xfail, strict, with the
 bug as the reason); if the bug is undefined behaviour, also `ub=True`, which
@@ -894,8 +898,7 @@ def _snapshot(tensor: torch.Tensor) -> torch.Tensor | None:
 def _eager_too(entry: Bad) -> bool:
     """Whether `vllm_cpu_lora.ops` must fail on the entry as torch.ops does:
     a decode or multi-slice op (whose eager fast path in _C checks the
-    arguments itself)
-    with CPU inputs (other inputs go to the reference)."""
+    arguments itself) with CPU inputs (other inputs go to the reference)."""
     if entry.op not in EAGER_OPS:
         return False
     args = base_args(entry.op)
@@ -911,27 +914,50 @@ EAGER_OPS = (
     "lora_shrink",
     "lora_expand",
 )
-# (entry, API): every entry through torch.ops.vllm_cpu_lora, the decode ops'
-# entries also through vllm_cpu_lora.ops.
-RUNS = [(e, "torch.ops") for e in ENTRIES] + [
-    (e, "ops") for e in ENTRIES if _eager_too(e)
-]
+
+
+def _compiled_too(entry: Bad) -> bool:
+    """Whether the entry also runs from a compiled function: the multi-slice
+    ops' entries, except aliasing ones. torch.compile functionalizes the
+    call, so an output that aliases another argument reaches the op as a
+    fresh copy: the op cannot see the aliasing (and has nothing to reject)."""
+    return entry.op in MULTI_SLICE_OPS and not entry.case.startswith("alias")
+
+
+# (entry, API): every entry through torch.ops.vllm_cpu_lora, the fast-path
+# ops' entries also through vllm_cpu_lora.ops, the multi-slice ops' also
+# compiled.
+RUNS = (
+    [(e, "torch.ops") for e in ENTRIES]
+    + [(e, "ops") for e in ENTRIES if _eager_too(e)]
+    + [(e, "compiled") for e in ENTRIES if _compiled_too(e)]
+)
 
 
 def run_id(entry: Bad, api: str) -> str:
-    return entry.id if api == "torch.ops" else f"{entry.id}/ops"
+    return entry.id if api == "torch.ops" else f"{entry.id}/{api}"
+
+
+def _callable(op: str, api: str):
+    """The op as `api` ("torch.ops", "ops" or "compiled") calls it."""
+    if api == "torch.ops":
+        return getattr(torch.ops.vllm_cpu_lora, op)
+    if api == "ops":
+        return getattr(vllm_cpu_lora.ops, op)
+    # A fresh graph per entry: each has its own shapes and devices.
+    torch._dynamo.reset()
+    return torch.compile(
+        getattr(vllm_cpu_lora.ops, op), backend="aot_eager", fullgraph=True
+    )
 
 
 def run_entry(entry: Bad, api: str = "torch.ops") -> str | None:
-    """Makes the bad call through `api` ("torch.ops" or "ops"); returns what
+    """Makes the bad call through `api` (see `_callable`); returns what
     was wrong with how it failed, or None if it raised RuntimeError naming
     the argument and touched nothing."""
     torch.manual_seed(0)
     args = base_args(entry.op)
     entry.mutate(args)
-    namespace = (
-        torch.ops.vllm_cpu_lora if api == "torch.ops" else vllm_cpu_lora.ops
-    )
     tensors = [
         t
         for a in args.values()
@@ -942,7 +968,7 @@ def run_entry(entry: Bad, api: str = "torch.ops") -> str | None:
     saved = {name: os.environ.get(name) for name, _ in entry.env}
     os.environ.update(dict(entry.env))
     try:
-        getattr(namespace, entry.op)(*args.values())
+        _callable(entry.op, api)(*args.values())
     except RuntimeError as exc:
         error = exc
     except Exception as exc:  # noqa: BLE001  (reported, not raised)
@@ -959,7 +985,10 @@ def run_entry(entry: Bad, api: str = "torch.ops") -> str | None:
     if error is None:
         problems.append("did not raise")
     else:
-        message = str(error).split("\n")[0]
+        # Dynamo puts its own first line above an error met while tracing.
+        message = str(error)
+        if api != "compiled":
+            message = message.split("\n")[0]
         if not any(re.search(rf"\b{n}\b", message) for n in entry.names):
             problems.append(f"message names none of {entry.names}: {message}")
     for tensor, old in zip(tensors, before, strict=True):
@@ -1032,6 +1061,9 @@ def test_table_covers_every_op():
     )
     assert len({e.id for e in ENTRIES}) == len(ENTRIES)
     assert {e.op for e, api in RUNS if api == "ops"} == set(EAGER_OPS)
+    assert {e.op for e, api in RUNS if api == "compiled"} == set(
+        MULTI_SLICE_OPS
+    )
 
 
 def _main() -> int:
