@@ -16,7 +16,7 @@ LoRA (rank 16) is on all seven projections, applied as vLLM's
 [T, 16] per slice, one shrink per slice (scale 1.0) and one
 ``expand_slice`` per slice into the fused bf16 output (add_inputs=True);
 decode uses the bgmv ops with a random adapter per token, prefill the sgmv
-ops with one adapter per sequence. Three implementations of the ops:
+ops with one adapter per sequence. Four implementations of the ops:
 
 * reference: ``vllm_cpu_lora.reference`` (vLLM's torch algorithm);
 * grouped: pure torch, tokens grouped by adapter, one ``torch.mm`` per
