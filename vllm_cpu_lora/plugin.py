@@ -40,6 +40,10 @@ process, whatever `VLLM_CPU_LORA_DISABLE` says: vLLM 0.33's CPU kernels use
 AMX tiles (bf16) without asking, and a process that has not asked dies with
 SIGILL at its first tile instruction (seen with and without LoRA). The
 request changes no result; it is a no-op on CPUs without AMX.
+
+Where it routes LoRA through its kernels, it turns on Python's
+`faulthandler` in the process (unless something already did), so that a
+crash there leaves the Python stack in the log.
 """
 
 import logging
@@ -62,6 +66,17 @@ _done = False
 
 def _disabled() -> bool:
     return os.environ.get(DISABLE_ENV, "0").strip() not in ("", "0")
+
+
+def _report_fatal_signals() -> None:
+    """Makes a fatal signal in this process (a kernel's bad memory access,
+    say) print every thread's Python stack to stderr, the server's log,
+    before the process dies as it would anyway: vLLM then says only that
+    its engine core died."""
+    import faulthandler
+
+    if not faulthandler.is_enabled():
+        faulthandler.enable(all_threads=True)
 
 
 def _warn_if_untested(version: str) -> None:
@@ -186,6 +201,7 @@ def register() -> None:
     platform_cls = type(current_platform)
     platform_cls.get_punica_wrapper = classmethod(lambda cls: WRAPPER)
     _compile_with_lora(platform_cls, vllm.__version__)
+    _report_fatal_signals()
     logger.info(
         "vllm_cpu_lora: LoRA on CPU uses %s (kernels: ISA path %s, from %s)",
         WRAPPER,
