@@ -2,7 +2,8 @@
 # The vLLM integration tests (tests/test_punica_wrapper.py,
 # tests/test_vllm_e2e.py, tests/test_vllm_tp.py, tests/test_vllm_serve.py,
 # tests/test_vllm_soak.py, tests/test_vllm_bad_requests.py,
-# tests/test_vllm_adapters_work.py, tests/test_vllm_compiled.py) in an
+# tests/test_vllm_adapters_work.py, tests/test_vllm_compiled.py,
+# tests/test_vllm_crash.py) in an
 # environment with CPU vLLM
 # (scripts/setup_vllm_env.sh).
 #
@@ -26,7 +27,8 @@ set +e
 "$venv/bin/python" -m pytest -q -rs tests/test_punica_wrapper.py \
   tests/test_vllm_e2e.py tests/test_vllm_tp.py tests/test_vllm_serve.py \
   tests/test_vllm_soak.py tests/test_vllm_bad_requests.py \
-  tests/test_vllm_adapters_work.py tests/test_vllm_compiled.py "$@" 2>&1 |
+  tests/test_vllm_adapters_work.py tests/test_vllm_compiled.py \
+  tests/test_vllm_crash.py "$@" 2>&1 |
   tee "$log"
 status=${PIPESTATUS[0]}
 set -e

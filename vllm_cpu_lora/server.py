@@ -69,6 +69,7 @@ class VllmServer:
         disable_plugin: bool = False,
         runtime_lora_updates: bool = True,
         startup_timeout_s: float = 600.0,
+        extra_env: dict[str, str] | None = None,
     ):
         self.port = _free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -102,6 +103,7 @@ class VllmServer:
         self._env = child_env(disable_plugin)
         if runtime_lora_updates:
             self._env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+        self._env.update(extra_env or {})
         self._proc: subprocess.Popen | None = None
         # The server's process group (its pid): set once started.
         self.pgid: int | None = None
@@ -169,6 +171,15 @@ class VllmServer:
         left = live_group_members(pgid)
         if left:
             raise ServerError(f"vllm serve left processes {left} running")
+
+    def wait_for_exit(self, timeout_s: float) -> int | None:
+        """The server's exit code once it has exited by itself, or None if
+        it still runs after `timeout_s`."""
+        assert self._proc is not None, "not started"
+        try:
+            return self._proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")
