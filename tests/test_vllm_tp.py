@@ -116,7 +116,9 @@ def test_every_rank_runs_our_ops(run, enforce_eager, fully_sharded):
     # The ranks run the same layers on the same batch, step by step.
     assert all(r["calls"] == reports[0]["calls"] for r in reports), reports
     mode = "NONE" if enforce_eager else "DYNAMO_TRACE_ONCE"
-    graphs = 0 if enforce_eager else 1
     for report in reports:
         assert report["compilation_mode"] == mode, reports
-        assert report["dynamo_graphs"] == graphs, reports
+        # Compiled: the model, traced once. Eager: the masking helper of
+        # vLLM's vocab-parallel embedding, which vLLM compiles by itself at
+        # TP > 1 in any mode (inlined into the model's graph when compiled).
+        assert report["dynamo_graphs"] == 1, reports
