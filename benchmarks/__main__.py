@@ -6,7 +6,8 @@ to the output folder (default: benchmarks/results/<cpu slug> of the checkout
 run from, e.g. benchmarks/results/amd-epyc-zen3-avx2; --quick runs go to its
 quick subfolder).
 
-  --layer   LoRA's share of a Llama-7B layer's time (cold adapters)
+  --layer   LoRA's share of a Llama-7B layer's time (cold adapters), and
+            what one call per module saves (fused_calls)
   --vllm    CPU vLLM decode tokens/s, no LoRA vs vLLM's ops vs ours; runs in
             the vLLM environment (scripts/setup_vllm_env.sh) when this one
             has no vLLM
@@ -63,9 +64,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         status |= kernels.main(common_args)
     if args.layer or args.all:
-        from benchmarks import layer
+        from benchmarks import fused_calls, layer
 
         status |= layer.main(common_args)
+        status |= fused_calls.main(common_args)
     if args.vllm or args.all:
         python = _vllm_python()
         if python is None:
