@@ -6,14 +6,18 @@ operands, NaN-poisoned outputs in overwrite mode, add-mode elements no
 product reaches kept bit for bit, the oracle's error bound. The slices have
 odd, unequal sizes; rows without an adapter (-1) are mixed in. A fused call
 must also equal the slice-by-slice calls of the per-slice ops bit for bit:
-it runs the same kernels on the same grouping.
+it runs the same kernels on the same grouping. Hypothesis draws further
+shapes, slice counts and dtypes.
 """
 
 import dataclasses
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from test_ops import (
+    ALL_DTYPE_COMBOS,
     BF16,
     EXPAND_FAST_COMBOS,
     F16,
@@ -34,6 +38,7 @@ from test_ops import (
     make_values,
     run_kernel,
 )
+from test_property import PROPERTY_SETTINGS
 
 import vllm_cpu_lora
 from vllm_cpu_lora import ops
@@ -90,6 +95,41 @@ def test_lora_shrink(dtypes, shape, pattern, isa):
 @pytest.mark.parametrize("dtypes", EXPAND_FAST_COMBOS, ids=dtypes_id)
 def test_lora_expand(dtypes, shape, pattern, add, isa):
     gen = make_generator("lora_expand", dtypes, shape, pattern, add)
+    check(expand_call(dtypes, shape, pattern, add, gen), isa)
+
+
+@st.composite
+def drawn_shapes(draw):
+    """(tokens, hidden, rank, adapters, slice rows) of any size, 1-3 slices
+    (the threaded path from 64 tokens and wide hidden sizes)."""
+    return (
+        draw(st.integers(1, 80)),
+        draw(st.integers(1, 320)),
+        draw(st.integers(1, 40)),
+        draw(st.integers(1, 6)),
+        tuple(draw(st.lists(st.integers(1, 140), min_size=1, max_size=3))),
+    )
+
+
+# `isa` forces one path for the whole test, so every drawn example may share
+# it.
+@settings(
+    PROPERTY_SETTINGS,
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.function_scoped_fixture,
+    ],
+)
+@given(
+    shape=drawn_shapes(),
+    dtypes=st.sampled_from(ALL_DTYPE_COMBOS),
+    pattern=st.sampled_from(PATTERNS),
+    add=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_drawn_calls_match_oracle(isa, shape, dtypes, pattern, add, seed):
+    gen = torch.Generator().manual_seed(seed)
+    check(shrink_call(dtypes, shape, pattern, gen), isa)
     check(expand_call(dtypes, shape, pattern, add, gen), isa)
 
 
