@@ -75,19 +75,22 @@ class Preset:
     # The configurations do not fit in memory together: one fresh child per
     # configuration and round.
     fresh_children: bool
-    # max_model_len and max_num_batched_tokens. vLLM's CPU default token
-    # budget, 4096, would make its compile warm-up a 4096-token dummy batch
-    # (half an hour for 7B on one core); this one still takes every prefill
-    # of the workload in one step.
+    # max_model_len, and max_num_batched_tokens: vLLM's warm-up runs a
+    # dummy batch of that many tokens in every child, which at vLLM's CPU
+    # default, 4096, would take half an hour for 7B on one core; these
+    # still take every prefill of the workload in one step.
     max_len: int
+    batched_tokens: int
 
 
 PRESETS = {
-    "llama-7b-layers": Preset(None, 4, 16, 32, 64, 5, False, 512),
+    "llama-7b-layers": Preset(None, 4, 16, 32, 64, 5, False, 512, 512),
     "llama-3.2-1b": Preset(
-        vllm_models.LLAMA_3_2_1B, 4, 16, 32, 64, 3, False, 512
+        vllm_models.LLAMA_3_2_1B, 4, 16, 32, 64, 3, False, 512, 512
     ),
-    "llama-2-7b": Preset(vllm_models.LLAMA_2_7B, 1, 8, 2, 128, 2, True, 256),
+    "llama-2-7b": Preset(
+        vllm_models.LLAMA_2_7B, 1, 8, 2, 128, 2, True, 256, 64
+    ),
 }
 
 
@@ -110,6 +113,7 @@ class Settings:
     configs: tuple[str, ...]
     omp_bind: str | None
     max_len: int
+    batched_tokens: int
     max_load: float | None
     max_wait: float
 
@@ -145,6 +149,7 @@ def settings_for(args: argparse.Namespace) -> Settings:
         configs=tuple(configs),
         omp_bind=args.omp_bind,
         max_len=preset.max_len,
+        batched_tokens=preset.batched_tokens,
         max_load=args.max_load,
         max_wait=args.max_wait,
     )

@@ -6,6 +6,7 @@ prints a run's summary and writes its files.
 
 from __future__ import annotations
 
+import importlib.util
 import pathlib
 from typing import TYPE_CHECKING, Any
 
@@ -170,9 +171,9 @@ def markdown_lines(
             else "no `enforce_eager` (its default compilation; vLLM itself "
             "forces eager mode when LoRA is enabled, the plug-in does not)"
         )
-        + ", prefix caching off, `max_model_len` and "
-        f"`max_num_batched_tokens` {settings.max_len} (vLLM's CPU default "
-        "budget of 4096 tokens only makes the compile warm-up's dummy batch "
+        + f", prefix caching off, `max_model_len={settings.max_len}`, "
+        f"`max_num_batched_tokens={settings.batched_tokens}` (vLLM's CPU "
+        "default budget of 4096 tokens only makes its warm-up's dummy batch "
         "longer: every prefill here fits in one step), "
         f"`VLLM_CPU_KVCACHE_SPACE={result['kv_cache_space']}` GiB; LoRA "
         f"configs: `enable_lora=True`, `max_loras={settings.adapters}`, "
@@ -346,5 +347,8 @@ def finish(
         out_dir / f"{name}.md",
         markdown_lines(info, settings, result, summary, command, elapsed),
     )
-    write_plot(out_dir / f"{name}.png", settings, result, summary)
+    if importlib.util.find_spec("matplotlib"):
+        write_plot(out_dir / f"{name}.png", settings, result, summary)
+    else:  # vLLM's environment need not have it
+        print("No matplotlib: no plot")
     return ok and not problems

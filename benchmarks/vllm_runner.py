@@ -81,10 +81,8 @@ def _log_facts(log: str) -> list[str]:
         "Using PunicaWrapper",
         "vllm_cpu_lora: LoRA on CPU uses",
         "VLLM_CPU_LORA_DISABLE is set",
-        "Compilation mode",
+        "vllm_cpu_lora: LoRA with compilation mode",
         "torch.compile takes",
-        "enforce_eager",
-        "mode=",
     )
     facts = []
     for line in log.splitlines():
@@ -268,7 +266,7 @@ def run(settings: Settings, models: dict[str, Any]) -> dict[str, Any]:
         "assign": settings.assign,
         "llm_args": {
             "enforce_eager": settings.enforce_eager,
-            "max_num_batched_tokens": settings.max_len,
+            "max_num_batched_tokens": settings.batched_tokens,
         },
     }
     configs = [c for c in CONFIGS if c.name in settings.configs]
