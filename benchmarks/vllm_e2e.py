@@ -254,12 +254,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
     import vllm
 
-    from benchmarks import machine, vllm_markdown
+    from benchmarks import machine, vllm_markdown, vllm_summary
 
     out_dir = common.out_dir(args)
     started = time.perf_counter()
     settings = settings_for(args)
     info = machine.describe_machine(torch.get_num_threads())
+    info["busiest_processes"] = machine.busiest_processes()
     print(f"CPU: {info['cpu']}; vLLM {vllm.__version__}", flush=True)
     print(
         f"Workload: {settings.model}, {settings.num_layers} layer(s), "
@@ -319,6 +320,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         out_dir,
         report_name(settings),
     )
+    if report_name(settings).startswith(vllm_summary.STEM):
+        print(f"Side by side: {vllm_summary.write_summary(out_dir)}")
     return 0 if ok else 1
 
 
