@@ -22,6 +22,7 @@ import os
 import pathlib
 import platform
 import re
+import subprocess
 import time
 from collections.abc import Callable
 from typing import Any
@@ -176,6 +177,21 @@ def load_average() -> float:
         return os.getloadavg()[0]
     except OSError:
         return math.nan
+
+
+def busiest_processes(count: int = 6) -> list[str]:
+    """The busiest processes by `ps` (nice, %CPU, RSS KiB, command): on a
+    shared machine, who else ran; [] where there is no ps."""
+    try:
+        out = subprocess.run(
+            ["ps", "-eo", "ni,pcpu,rss,comm", "--sort=-pcpu", "--no-headers"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return []
+    return [" ".join(line.split()) for line in out.splitlines()[:count]]
 
 
 def describe_machine(all_threads: int) -> dict[str, Any]:

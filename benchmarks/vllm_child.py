@@ -127,10 +127,10 @@ def child_main(spec_file: str) -> int:
             model=spec["model"],
             dtype="bfloat16",
             max_model_len=spec["max_model_len"],
-            enforce_eager=True,
             enable_prefix_caching=False,
             seed=0,
             **kwargs,
+            **spec["llm_args"],
         )
     except Exception as e:  # reported to the parent
         reply(0, {"error": f"{type(e).__name__}: {e}"})
@@ -153,8 +153,13 @@ def child_main(spec_file: str) -> int:
             loras = [requests[i % k] for i in range(len(texts))]
 
     def generate(max_tokens: int) -> dict[str, Any]:
+        # No detokenizing: a preset's vocabulary can be larger than the
+        # demo tokenizer's, and the text is not looked at.
         params = SamplingParams(
-            temperature=0.0, max_tokens=max_tokens, ignore_eos=True
+            temperature=0.0,
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            detokenize=False,
         )
         t = time.perf_counter()
         outs = llm.generate(texts, params, lora_request=loras, use_tqdm=False)
@@ -199,6 +204,7 @@ class Child:
         config: Config,
         spec: dict[str, Any],
         workdir: pathlib.Path,
+        extra_env: dict[str, str | None] | None = None,
     ) -> None:
         from vllm_cpu_lora.offline import child_env
 
@@ -223,7 +229,8 @@ class Child:
             stdin=subprocess.PIPE,
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            env=child_env(config.disable_plugin),
+            env=child_env(config.disable_plugin)
+            | {k: v for k, v in (extra_env or {}).items() if v is not None},
             text=True,
             start_new_session=True,
         )
