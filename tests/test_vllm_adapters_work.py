@@ -17,17 +17,10 @@ without them. About a minute once the models are cached (training them
 takes about another).
 """
 
-import importlib.util
-
 import pytest
+from tiny_vllm import skip_module_without
 
-_NEEDED = ("vllm", "transformers", "peft", "tokenizers")
-_missing = [name for name in _NEEDED if importlib.util.find_spec(name) is None]
-if _missing:
-    pytest.skip(
-        f"needs {', '.join(_missing)}: scripts/test_vllm.sh sets them up",
-        allow_module_level=True,
-    )
+skip_module_without("vllm", "transformers", "peft", "tokenizers")
 
 from vllm_cpu_lora import offline, plugin, toy_tasks, train  # noqa: E402
 

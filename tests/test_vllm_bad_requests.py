@@ -17,7 +17,6 @@ Needs CPU vLLM, transformers and peft (scripts/test_vllm.sh); skipped
 without them.
 """
 
-import importlib.util
 import json
 import shutil
 import threading
@@ -25,14 +24,9 @@ import time
 from pathlib import Path
 
 import pytest
+from tiny_vllm import skip_module_without
 
-_NEEDED = ("vllm", "transformers", "peft")
-_missing = [name for name in _NEEDED if importlib.util.find_spec(name) is None]
-if _missing:
-    pytest.skip(
-        f"needs {', '.join(_missing)}: scripts/test_vllm.sh sets them up",
-        allow_module_level=True,
-    )
+skip_module_without("vllm", "transformers", "peft")
 
 from vllm_cpu_lora import server, tiny_model  # noqa: E402
 

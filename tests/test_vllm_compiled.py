@@ -28,18 +28,10 @@ Each compiled child takes about a minute more than an eager one to start
 (dynamo and inductor on 2 cores).
 """
 
-import importlib.util
-
 import pytest
+from tiny_vllm import skip_module_without
 
-_NEEDED = ("vllm", "transformers", "peft", "tokenizers")
-_missing = [name for name in _NEEDED if importlib.util.find_spec(name) is None]
-if _missing:
-    pytest.skip(
-        f"needs {', '.join(_missing)}: a CPU build of vLLM comes from "
-        "scripts/setup_vllm_env.sh, the rest from `pip install .[e2e]`",
-        allow_module_level=True,
-    )
+skip_module_without("vllm", "transformers", "peft", "tokenizers")
 
 import torch  # noqa: E402
 

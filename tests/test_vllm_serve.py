@@ -18,21 +18,15 @@ Needs CPU vLLM, the openai client, transformers and peft (scripts/test_vllm.sh);
 skipped without them.
 """
 
-import importlib.util
 import os
 import signal
 import subprocess
 import sys
 
 import pytest
+from tiny_vllm import skip_module_without
 
-_NEEDED = ("vllm", "openai", "transformers", "peft")
-_missing = [name for name in _NEEDED if importlib.util.find_spec(name) is None]
-if _missing:
-    pytest.skip(
-        f"needs {', '.join(_missing)}: scripts/test_vllm.sh sets them up",
-        allow_module_level=True,
-    )
+skip_module_without("vllm", "openai", "transformers", "peft")
 
 from vllm_cpu_lora import demo, server, tiny_model  # noqa: E402
 

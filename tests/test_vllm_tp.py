@@ -22,18 +22,12 @@ threads to one CPU of its own instead (VLLM_CPU_OMP_THREADS_BIND), which
 works on any host with 2 CPUs. Skipped with fewer, or without CPU vLLM.
 """
 
-import importlib.util
 import os
 
 import pytest
+from tiny_vllm import skip_module_without
 
-_NEEDED = ("vllm", "transformers", "peft", "tokenizers")
-_missing = [name for name in _NEEDED if importlib.util.find_spec(name) is None]
-if _missing:
-    pytest.skip(
-        f"needs {', '.join(_missing)}: scripts/test_vllm.sh sets them up",
-        allow_module_level=True,
-    )
+skip_module_without("vllm", "transformers", "peft", "tokenizers")
 CPUS = sorted(os.sched_getaffinity(0))
 if len(CPUS) < 2:
     pytest.skip(

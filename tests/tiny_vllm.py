@@ -6,6 +6,7 @@ Hugging Face transformers + peft's greedy tokens. Importing this module
 needs neither vLLM nor transformers; its functions do.
 """
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -35,6 +36,17 @@ REQUESTS = (
 # tests/test_punica_wrapper).
 ROUTED_OPS = {"lora_shrink", "lora_expand"}
 MAX_LORA_RANK = 16
+
+
+def skip_module_without(*modules: str) -> None:
+    """Skips the calling test module unless every one of `modules` can be
+    imported (CPU vLLM and the reference's libraries: not in .venv)."""
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip(
+            f"needs {', '.join(missing)}: scripts/test_vllm.sh sets them up",
+            allow_module_level=True,
+        )
 
 
 def _is_cpu_vllm() -> bool:
