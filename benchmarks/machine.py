@@ -294,7 +294,10 @@ def build_dir(name: str) -> pathlib.Path:
 
 
 def load_micro_kernels() -> Any:
-    """Compiles (once; cached in build_dir("micro")) the micro-kernels."""
+    """Compiles (once; cached in build_dir("micro")) the micro-kernels; None
+    where they have no variant to run (they are x86 code, e.g. on Arm)."""
+    if micro_isa(cpu_flags()) is None:
+        return None
     from torch.utils import cpp_extension
 
     return cpp_extension.load(

@@ -159,7 +159,15 @@ def check_against_oracle(case: Case) -> None:
     dtype = case.output.dtype
     old = f64(case.initial).abs() if case.adds else None
     assert_close_to_oracle(
-        case.output, want, magnitude, old, case.k, dtype, dtype, dtype
+        case.output,
+        want,
+        magnitude,
+        old,
+        case.k,
+        dtype,
+        dtype,
+        dtype,
+        vllm_cpu_lora.isa(),
     )
 
 

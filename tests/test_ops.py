@@ -439,6 +439,7 @@ def check(call: Call, isa: str | None, run=None) -> None:
         old.abs() if call.add else None,
         call.k,
         *call.dtypes,
+        isa,
     )
     if call.add:
         # Elements no product reaches (-1 rows, columns past the written

@@ -552,6 +552,7 @@ def check(spec: Spec, isa: str) -> None:
         f64(old_view).abs() if call.adds else None,
         spec.k,
         *spec.dtypes,
+        isa,
     )
     if call.adds:
         # Elements no product reaches keep their bits (NaN poison checks

@@ -1,15 +1,33 @@
 #include "isa.h"
 
-#include <ATen/cpu/Utils.h>
 #include <c10/util/Exception.h>
 
 #include <cstdlib>
+#include <iterator>
+
+#if defined(__x86_64__)
+#include <ATen/cpu/Utils.h>
+#elif defined(__aarch64__)
+#include <asm/hwcap.h>
+#include <sys/auxv.h>
+// For kernel headers older than FEAT_BF16 (Linux 5.10's value).
+#ifndef HWCAP2_BF16
+#define HWCAP2_BF16 (1 << 14)
+#endif
+#endif
 
 namespace vllm_cpu_lora {
 namespace {
 
+#if defined(__x86_64__)
 constexpr const char* kIsaNames[] = {"scalar",      "avx2", "avx512",
                                      "avx512_bf16", "amx",  "amx_emulated"};
+#elif defined(__aarch64__)
+constexpr const char* kIsaNames[] = {"scalar", "neon", "neon_bf16"};
+#else
+constexpr const char* kIsaNames[] = {"scalar"};
+#endif
+static_assert(std::size(kIsaNames) == static_cast<size_t>(Isa::kCount));
 
 struct CpuFeatures {
   bool supported[static_cast<int>(Isa::kCount)];
@@ -17,6 +35,9 @@ struct CpuFeatures {
 
 const CpuFeatures& Features() {
   static const CpuFeatures features = [] {
+    CpuFeatures f{};
+    f.supported[static_cast<int>(Isa::kScalar)] = true;
+#if defined(__x86_64__)
     const auto caps = at::cpu::get_cpu_capabilities();
     auto has = [&](const char* key) {
       const auto it = caps.find(key);
@@ -25,8 +46,6 @@ const CpuFeatures& Features() {
     const bool avx2 = has("avx2") && has("fma3") && has("f16c");
     const bool avx512 = avx2 && has("avx512_f") && has("avx512_bw") &&
                         has("avx512_vl") && has("avx512_dq");
-    CpuFeatures f{};
-    f.supported[static_cast<int>(Isa::kScalar)] = true;
     f.supported[static_cast<int>(Isa::kAvx2)] = avx2;
     f.supported[static_cast<int>(Isa::kAvx512)] = avx512;
     const bool avx512_bf16 = avx512 && has("avx512_bf16");
@@ -36,6 +55,13 @@ const CpuFeatures& Features() {
                                                has("amx_tile") &&
                                                at::cpu::init_amx();
     f.supported[static_cast<int>(Isa::kAmxEmulated)] = avx512_bf16;
+#elif defined(__aarch64__)
+    // What Linux says this CPU (or qemu's -cpu model) implements.
+    const bool neon = (getauxval(AT_HWCAP) & HWCAP_ASIMD) != 0;
+    f.supported[static_cast<int>(Isa::kNeon)] = neon;
+    f.supported[static_cast<int>(Isa::kNeonBf16)] =
+        neon && (getauxval(AT_HWCAP2) & HWCAP2_BF16) != 0;
+#endif
     return f;
   }();
   return features;
@@ -45,9 +71,22 @@ bool IsSupported(Isa isa) {
   return Features().supported[static_cast<int>(isa)];
 }
 
-std::string SupportedList() {
+// Every path of this architecture: best first, the test-only ones last.
+std::vector<Isa> AllIsas() {
+  std::vector<Isa> order;
+  for (int i = static_cast<int>(Isa::kBest); i >= 0; --i) {
+    order.push_back(static_cast<Isa>(i));
+  }
+  for (int i = static_cast<int>(Isa::kBest) + 1;
+       i < static_cast<int>(Isa::kCount); ++i) {
+    order.push_back(static_cast<Isa>(i));
+  }
+  return order;
+}
+
+std::string Join(const std::vector<std::string>& names) {
   std::string list;
-  for (const std::string& name : SupportedIsas()) {
+  for (const std::string& name : names) {
     list += (list.empty() ? "" : ", ") + name;
   }
   return list;
@@ -57,10 +96,9 @@ std::string SupportedList() {
 
 std::vector<std::string> SupportedIsas() {
   std::vector<std::string> names;
-  for (int i = static_cast<int>(Isa::kAmx); i >= 0; --i) {
-    if (IsSupported(static_cast<Isa>(i))) names.push_back(kIsaNames[i]);
+  for (const Isa isa : AllIsas()) {
+    if (IsSupported(isa)) names.push_back(kIsaNames[static_cast<int>(isa)]);
   }
-  if (IsSupported(Isa::kAmxEmulated)) names.push_back("amx_emulated");
   return names;
 }
 
@@ -71,15 +109,19 @@ IsaChoice SelectIsa() {
       if (std::string(forced) != kIsaNames[i]) continue;
       TORCH_CHECK(
           IsSupported(static_cast<Isa>(i)), "VLLM_CPU_LORA_ISA=", forced,
-          " is not supported by this CPU (supported: ", SupportedList(), ")");
+          " is not supported by this CPU (supported: ", Join(SupportedIsas()),
+          ")");
       return IsaChoice{static_cast<Isa>(i), true};
     }
+    std::vector<std::string> known;
+    for (const Isa isa : AllIsas()) {
+      known.push_back(kIsaNames[static_cast<int>(isa)]);
+    }
     TORCH_CHECK(false, "VLLM_CPU_LORA_ISA=", forced,
-                " is not a known ISA path (known: amx, avx512_bf16, avx512, "
-                "avx2, scalar, amx_emulated; supported here: ",
-                SupportedList(), ")");
+                " is not a known ISA path (known: ", Join(known),
+                "; supported here: ", Join(SupportedIsas()), ")");
   }
-  for (int i = static_cast<int>(Isa::kAmx); i > 0; --i) {
+  for (int i = static_cast<int>(Isa::kBest); i > 0; --i) {
     if (IsSupported(static_cast<Isa>(i))) {
       return IsaChoice{static_cast<Isa>(i), false};
     }
@@ -89,8 +131,19 @@ IsaChoice SelectIsa() {
 
 const IsaKernels& KernelsFor(Isa isa) {
   static const IsaKernels table[] = {
-      scalar::Kernels(),      avx2::Kernels(), avx512::Kernels(),
-      avx512_bf16::Kernels(), amx::Kernels(),  amx_emulated::Kernels()};
+    scalar::Kernels(),
+#if defined(__x86_64__)
+    avx2::Kernels(),
+    avx512::Kernels(),
+    avx512_bf16::Kernels(),
+    amx::Kernels(),
+    amx_emulated::Kernels(),
+#elif defined(__aarch64__)
+    neon::Kernels(),
+    neon_bf16::Kernels(),
+#endif
+  };
+  static_assert(std::size(table) == static_cast<size_t>(Isa::kCount));
   return table[static_cast<int>(isa)];
 }
 

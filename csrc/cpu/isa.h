@@ -9,8 +9,9 @@
 
 namespace vllm_cpu_lora {
 
-// In order of preference; kAmxEmulated (test-only) is never chosen unless
-// forced.
+// This architecture's paths in order of preference, up to kBest; the ones
+// after it (kAmxEmulated, test-only) are never chosen unless forced.
+#if defined(__x86_64__)
 enum class Isa : int {
   kScalar,
   kAvx2,
@@ -18,8 +19,14 @@ enum class Isa : int {
   kAvx512Bf16,
   kAmx,
   kAmxEmulated,
-  kCount
+  kCount,
+  kBest = kAmx
 };
+#elif defined(__aarch64__)
+enum class Isa : int { kScalar, kNeon, kNeonBf16, kCount, kBest = kNeonBf16 };
+#else
+enum class Isa : int { kScalar, kCount, kBest = kScalar };
+#endif
 
 struct IsaChoice {
   Isa isa;
@@ -34,7 +41,7 @@ IsaChoice SelectIsa();
 // Supported paths, best first, the test-only emulation last.
 std::vector<std::string> SupportedIsas();
 
-// The name of the path SelectIsa() takes, e.g. "avx512_bf16".
+// The name of the path SelectIsa() takes, e.g. "avx512_bf16" or "neon".
 std::string IsaName();
 
 const IsaKernels& KernelsFor(Isa isa);

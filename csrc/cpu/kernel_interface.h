@@ -65,7 +65,8 @@ struct IsaKernels {
   KernelFn pack;
 };
 
-// One accessor per ISA translation unit.
+// One accessor per ISA translation unit; all but scalar's are built on their
+// architecture only (x86-64: avx2 to amx_emulated; aarch64: neon, neon_bf16).
 namespace scalar {
 IsaKernels Kernels();
 }
@@ -84,6 +85,12 @@ IsaKernels Kernels();
 // The AMX kernel on software-emulated tiles (amx_emulation.h): test-only, so
 // the AMX blocking, packing and remainders are checked on CPUs without AMX.
 namespace amx_emulated {
+IsaKernels Kernels();
+}
+namespace neon {
+IsaKernels Kernels();
+}
+namespace neon_bf16 {
 IsaKernels Kernels();
 }
 

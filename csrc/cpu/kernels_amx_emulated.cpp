@@ -1,6 +1,8 @@
 // The AMX kernel of bgmv_amx.h on software-emulated tiles (amx_emulation.h),
 // so its blocking, packing and remainder logic is tested on CPUs without AMX.
 // Needs AVX512-BF16 for everything around the tiles.
+// Built on x86-64 only (setup.py and CMake compile every csrc/cpu/*.cpp).
+#if defined(__x86_64__)
 #include "kernels_prelude.h"
 
 #pragma GCC push_options
@@ -15,3 +17,5 @@ IsaKernels Kernels() { return MakeAmxKernels(); }
 }  // namespace vllm_cpu_lora::amx_emulated
 
 #pragma GCC pop_options
+
+#endif  // defined(__x86_64__)

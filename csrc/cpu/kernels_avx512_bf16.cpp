@@ -1,4 +1,6 @@
 // avx512_bf16 kernels: the kernel templates with VecAvx512<true>.
+// Built on x86-64 only (setup.py and CMake compile every csrc/cpu/*.cpp).
+#if defined(__x86_64__)
 #include "kernels_prelude.h"
 
 #pragma GCC push_options
@@ -13,3 +15,5 @@ IsaKernels Kernels() { return MakeKernels<VecAvx512<true>>(); }
 }  // namespace vllm_cpu_lora::avx512_bf16
 
 #pragma GCC pop_options
+
+#endif  // defined(__x86_64__)

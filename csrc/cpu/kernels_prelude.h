@@ -11,7 +11,11 @@
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+#if defined(__x86_64__)
 #include <immintrin.h>
+#elif defined(__aarch64__)
+#include <arm_neon.h>
+#endif
 
 #include <algorithm>
 #include <cstdint>
