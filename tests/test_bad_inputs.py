@@ -230,6 +230,16 @@ def _isa_no_lora(a: dict) -> None:
         a["lora_indices_tensor"] = _idx(-1, -1, -1, -1)
 
 
+def _isa_entries(op: str) -> list[Bad]:
+    """An unknown VLLM_CPU_LORA_ISA, with rows that have an adapter and
+    with none (the variable is checked before anything is written)."""
+    env = ((ISA_ENV, "no_such_isa"),)
+    return [
+        Bad(op, "isa_unknown", lambda a: None, (ISA_ENV,), env=env),
+        Bad(op, "isa_unknown_no_lora", _isa_no_lora, (ISA_ENV,), env=env),
+    ]
+
+
 def _slice_overflow(a: dict) -> None:
     """slice_offset + slice_size wraps around; the output is a corner of a
     larger buffer so the stray writes stay in memory the test owns."""
@@ -354,20 +364,7 @@ def vllm_entries(op: str) -> list[Bad]:
             _overlapping_rows,
             ("output_tensor",),
         ),
-        Bad(
-            op,
-            "isa_unknown",
-            lambda a: None,
-            (ISA_ENV,),
-            env=((ISA_ENV, "no_such_isa"),),
-        ),
-        Bad(
-            op,
-            "isa_unknown_no_lora",
-            _isa_no_lora,
-            (ISA_ENV,),
-            env=((ISA_ENV, "no_such_isa"),),
-        ),
+        *_isa_entries(op),
     ]
     if op in SHRINK_OPS:
         entries.append(
@@ -672,20 +669,7 @@ def dispatch_entries(op: str) -> list[Bad]:
             lambda a: a.update(y=a["w"].view(-1, H)[:T]),
             ("y",),
         ),
-        Bad(
-            op,
-            "isa_unknown",
-            lambda a: None,
-            (ISA_ENV,),
-            env=((ISA_ENV, "no_such_isa"),),
-        ),
-        Bad(
-            op,
-            "isa_unknown_no_lora",
-            _isa_no_lora,
-            (ISA_ENV,),
-            env=((ISA_ENV, "no_such_isa"),),
-        ),
+        *_isa_entries(op),
     ]
     if low:
         entries += [
@@ -797,20 +781,7 @@ def multi_slice_entries(op: str) -> list[Bad]:
             _set(token_lora_indices=_idx(0, 0, 0, 0).to("meta")),
             (*idx, "Meta", "meta"),
         ),
-        Bad(
-            op,
-            "isa_unknown",
-            lambda a: None,
-            (ISA_ENV,),
-            env=((ISA_ENV, "no_such_isa"),),
-        ),
-        Bad(
-            op,
-            "isa_unknown_no_lora",
-            _isa_no_lora,
-            (ISA_ENV,),
-            env=((ISA_ENV, "no_such_isa"),),
-        ),
+        *_isa_entries(op),
     ]
     if shrink:
         entries += [
