@@ -82,6 +82,19 @@ def _rand(*shape, dtype, scale=1.0, seed=0):
     return (torch.randn(*shape, generator=gen) * scale).to(dtype)
 
 
+def _slice_weights(dtype):
+    """(lora_a, lora_b): one stacked A and B per slice of SLICES."""
+    lora_a = tuple(
+        _rand(MAX_LORAS, 1, RANK, HIDDEN, dtype=dtype, scale=0.1, seed=2 + i)
+        for i in range(len(SLICES))
+    )
+    lora_b = tuple(
+        _rand(MAX_LORAS, 1, n, RANK, dtype=dtype, scale=0.1, seed=9 + i)
+        for i, n in enumerate(SLICES)
+    )
+    return lora_a, lora_b
+
+
 def _check(ours, theirs, dtype):
     torch.testing.assert_close(ours, theirs, **TOLERANCES[dtype])
 
@@ -106,14 +119,7 @@ def _fresh_counts():
 def test_add_lora_linear(dtype, is_prefill):
     (theirs, ours), tokens, _ = _wrappers(is_prefill)
     x = _rand(tokens, HIDDEN, dtype=dtype, seed=1)
-    lora_a = tuple(
-        _rand(MAX_LORAS, 1, RANK, HIDDEN, dtype=dtype, scale=0.1, seed=2 + i)
-        for i in range(len(SLICES))
-    )
-    lora_b = tuple(
-        _rand(MAX_LORAS, 1, n, RANK, dtype=dtype, scale=0.1, seed=9 + i)
-        for i, n in enumerate(SLICES)
-    )
+    lora_a, lora_b = _slice_weights(dtype)
     y0 = _rand(tokens, sum(SLICES), dtype=dtype, seed=20)
     y_theirs, y_ours = y0.clone(), y0.clone()
     theirs.add_lora_linear(y_theirs, x, lora_a, lora_b, 0.5, SLICES)
@@ -212,14 +218,7 @@ def test_tuple_buffers_as_vllms_signature_allows():
     dtype = torch.float32
     (theirs, ours), tokens, _ = _wrappers(is_prefill=False)
     x = _rand(tokens, HIDDEN, dtype=dtype, seed=1)
-    lora_a = tuple(
-        _rand(MAX_LORAS, 1, RANK, HIDDEN, dtype=dtype, scale=0.1, seed=2 + i)
-        for i in range(len(SLICES))
-    )
-    lora_b = tuple(
-        _rand(MAX_LORAS, 1, n, RANK, dtype=dtype, scale=0.1, seed=9 + i)
-        for i, n in enumerate(SLICES)
-    )
+    lora_a, lora_b = _slice_weights(dtype)
     outs = []
     for wrapper in (theirs, ours):
         buffers = tuple(torch.zeros(tokens, RANK) for _ in SLICES)
@@ -261,14 +260,7 @@ def test_traced_once_stays_right_for_later_batches():
     a recompile, since nothing per batch is read outside tensors; each
     result equals vLLM's eager wrapper's."""
     dtype = torch.float32
-    lora_a = tuple(
-        _rand(MAX_LORAS, 1, RANK, HIDDEN, dtype=dtype, scale=0.1, seed=2 + i)
-        for i in range(len(SLICES))
-    )
-    lora_b = tuple(
-        _rand(MAX_LORAS, 1, n, RANK, dtype=dtype, scale=0.1, seed=9 + i)
-        for i, n in enumerate(SLICES)
-    )
+    lora_a, lora_b = _slice_weights(dtype)
     ours = punica.PunicaWrapperCPULoRA(64, 16, "cpu")
 
     def layer(y, x):
