@@ -86,6 +86,12 @@ struct KernelTypes {
       (std::is_same_v<TX, c10::BFloat16> ||
        (std::is_same_v<TX, float> && std::is_same_v<TO, c10::BFloat16>));
 
+  // bf16 weights read 2 * kL at a time as even and odd halves (V::LoadSplit)
+  // where the policy has no pair products.
+  static constexpr bool kSplit =
+      !kPairs && V::kSplitBf16 && std::is_same_v<TW, c10::BFloat16>;
+  static constexpr int kSplitElems = 2 * kL;
+
   // Converted inputs and packed weights: fp32, or bf16 pairs (kPairs).
   using PackT = std::conditional_t<kPairs, uint32_t, float>;
 

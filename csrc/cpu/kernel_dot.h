@@ -19,6 +19,7 @@ struct DotKernel : KernelTypes<V, TX, TW, TO> {
   static constexpr auto kPairs = Base::kPairs;
   static constexpr auto kTM = Base::kTM;
   static constexpr auto kTN = Base::kTN;
+  static constexpr auto kSplit = Base::kSplit;
   using typename Base::F;
 
   static void StoreScalar(const LoraArgs& a, TO* o, float v) {
@@ -55,6 +56,18 @@ struct DotKernel : KernelTypes<V, TX, TW, TO> {
         }
       }
     } else {
+      if constexpr (kSplit) {
+        constexpr int kS = Base::kSplitElems;
+        for (; kk + kS <= k; kk += kS) {
+          typename V::Split xv[MT];
+          for (int i = 0; i < MT; ++i) xv[i] = V::LoadSplit(xr[i] + kk);
+          for (int j = 0; j < NR; ++j) {
+            const typename V::Split wv = V::LoadSplit(wr[j] + kk);
+            for (int i = 0; i < MT; ++i)
+              acc[i][j] = V::FmaSplit(xv[i], wv, acc[i][j]);
+          }
+        }
+      }
       for (; kk + kL <= k; kk += kL) {
         F xv[MT];
         for (int i = 0; i < MT; ++i) xv[i] = V::Load(xr[i] + kk);

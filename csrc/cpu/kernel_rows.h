@@ -20,6 +20,8 @@ struct RowsKernel : KernelTypes<V, TX, TW, TO> {
   using Base = KernelTypes<V, TX, TW, TO>;
   static constexpr auto kL = Base::kL;
   static constexpr auto kPairs = Base::kPairs;
+  static constexpr auto kSplit = Base::kSplit;
+  static constexpr auto kSplitElems = Base::kSplitElems;
   using Base::StoreVec;
   using typename Base::F;
   using typename Base::PackT;
@@ -94,6 +96,10 @@ struct RowsKernel : KernelTypes<V, TX, TW, TO> {
       const TW* row = wa + (n + std::min(j, nr - 1)) * a.w_row_stride;
       F s = V::Zero();
       int64_t kk = 0;
+      if constexpr (kSplit) {
+        for (; kk + kSplitElems <= k; kk += kSplitElems)
+          s = V::FmaSplit(V::LoadSplit(xc + kk), V::LoadSplit(row + kk), s);
+      }
       for (; kk + LoadElems() <= k; kk += LoadElems())
         s = MulAdd(s, LoadX(xc, kk), LoadW(row + kk));
       if (kk < k) {
@@ -114,12 +120,22 @@ struct RowsKernel : KernelTypes<V, TX, TW, TO> {
     static_assert(kK % kS == 0);
     F acc[kL];
     for (int j = 0; j < kL; ++j) acc[j] = V::Zero();
+    if constexpr (kSplit && kK % kSplitElems == 0) {
 #pragma GCC unroll 8
-    for (int kk = 0; kk < kK; kk += kS) {
-      const PV xv = LoadX(xc, kk);
+      for (int kk = 0; kk < kK; kk += kSplitElems) {
+        const typename V::Split xv = V::LoadSplit(xc + kk);
 #pragma GCC unroll 16
-      for (int j = 0; j < kL; ++j)
-        acc[j] = MulAdd(acc[j], xv, LoadW(tile + j * kK + kk));
+        for (int j = 0; j < kL; ++j)
+          acc[j] = V::FmaSplit(xv, V::LoadSplit(tile + j * kK + kk), acc[j]);
+      }
+    } else {
+#pragma GCC unroll 8
+      for (int kk = 0; kk < kK; kk += kS) {
+        const PV xv = LoadX(xc, kk);
+#pragma GCC unroll 16
+        for (int j = 0; j < kL; ++j)
+          acc[j] = MulAdd(acc[j], xv, LoadW(tile + j * kK + kk));
+      }
     }
     return V::SumLanes(acc);
   }

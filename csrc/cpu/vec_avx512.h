@@ -26,6 +26,7 @@ struct VecAvx512 {
   static constexpr int kTileN = 4;
   static constexpr bool kGather = true;
   static constexpr bool kRowGroups = true;
+  static constexpr bool kSplitBf16 = false;
   using F = __m512;
 
   static __mmask16 Mask16(int n) {

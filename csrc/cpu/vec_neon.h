@@ -32,6 +32,7 @@ struct VecNeon {
   static constexpr int kTileN = 4;
   static constexpr bool kGather = true;
   static constexpr bool kRowGroups = false;  // A 4-lane vector holds one row.
+  static constexpr bool kSplitBf16 = false;
   using F = float32x4_t;
 
   // Not measured on Arm: AVX2's rule, the x86 path nearest in width.

@@ -20,6 +20,7 @@ struct VecScalar {
   static constexpr int kTileN = 2;
   static constexpr bool kGather = false;
   static constexpr bool kRowGroups = false;
+  static constexpr bool kSplitBf16 = false;
   using F = float;
 
   // The rows-vs-pack rule of this ISA (tuning.h): measured on AVX-512 only.
