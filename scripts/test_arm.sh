@@ -136,32 +136,48 @@ arm_python() {
 }
 
 # What detection must find on each model, and what runs there: the subset
-# on -cpu max, whose paths are all of them; on cortex-a72 (no BF16) the
-# detection tests, since its paths' code is what max runs too. Detection is
-# checked in pytest's process: each start of torch under qemu takes minutes.
+# on -cpu max, whose paths are all of them, then the bad-input table once
+# per path (forced with VLLM_CPU_LORA_ISA: its checks must hold whatever
+# kernel a path has); on cortex-a72 (no BF16) the detection tests, since its
+# paths' code is what max runs too. All in pytest's process: each start of
+# torch under qemu takes minutes.
 declare -A want=([max]="neon_bf16 neon scalar" [cortex-a72]="neon scalar")
 mapfile -t subset < <(grep -v -e '^#' -e '^$' scripts/arm/tests.txt)
 for cpu in "${cpus[@]}"; do
   say "qemu -cpu $cpu"
+  table_paths=""
   if [ $# -gt 0 ]; then
     tests=("$@")
   elif [ "$cpu" = cortex-a72 ]; then
     tests=(tests/test_isa.py)
   else
     tests=("${subset[@]}")
+    table_paths=${want[$cpu]}
   fi
-  arm_python "$cpu" - "${want[$cpu]:-}" "${tests[@]}" <<'EOF'
+  arm_python "$cpu" - "${want[$cpu]:-}" "$table_paths" "${tests[@]}" <<'EOF'
+import os
 import sys
 
 import pytest
 
 import vllm_cpu_lora
 
+want, table_paths, tests = sys.argv[1], sys.argv[2].split(), sys.argv[3:]
 got = " ".join(vllm_cpu_lora.supported_isas())
 print("ISA paths:", got)
-if sys.argv[1] and got != sys.argv[1]:
-    sys.exit(f"test_arm: expected {sys.argv[1]}")
-sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", *sys.argv[2:]]))
+if want and got != want:
+    sys.exit(f"test_arm: expected {want}")
+args = ["-q", "-p", "no:cacheprovider"]
+status = pytest.main([*args, *tests])
+for path in table_paths:
+    if status != 0:
+        break
+    os.environ["VLLM_CPU_LORA_ISA"] = path
+    print(f"Bad-input table on {vllm_cpu_lora.isa()}:", flush=True)
+    # Its run in a child Python would need a binfmt handler for qemu.
+    status = pytest.main([*args, "tests/test_bad_inputs.py", "--deselect",
+                          "tests/test_bad_inputs.py::test_table_in_subprocess"])
+sys.exit(status)
 EOF
 done
 say "Arm paths passed"
