@@ -238,13 +238,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+def model_stem(model: str) -> str:
+    """A preset's name as it ends a report's file name."""
+    return model.replace(".", "_").replace("-", "_")
+
+
 def report_name(settings: Settings) -> str:
     """The file stem of a run's outputs in the results folder."""
     if settings.model == "llama-7b-layers":
         return "vllm_e2e"
-    return f"vllm_{'eager' if settings.enforce_eager else 'defaults'}_" + (
-        settings.model.replace(".", "_").replace("-", "_")
-    )
+    mode = "eager" if settings.enforce_eager else "defaults"
+    return f"vllm_{mode}_{model_stem(settings.model)}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

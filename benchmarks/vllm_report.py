@@ -53,18 +53,18 @@ CONFIGS = (
     Config("no-lora", "no LoRA", False, True, None),
     Config(
         "vllm-torch",
-        "4 adapters, vLLM's torch wrapper",
+        "LoRA, vLLM's torch wrapper",
         True,
         True,
         VLLM_WRAPPER,
     ),
-    Config("ours", "4 adapters, vllm_cpu_lora", True, False, OUR_WRAPPER),
+    Config("ours", "LoRA, vllm_cpu_lora", True, False, OUR_WRAPPER),
     # A diagnostic, not a way to serve: everything of "ours" but the LoRA
     # kernels' work (vllm_child.worker_skip_kernels), so that its gap to
     # no-LoRA is what vLLM's LoRA layers cost around any kernels.
     Config(
         "no-kernels",
-        "4 adapters, vllm_cpu_lora, kernels skipped",
+        "LoRA, vllm_cpu_lora, kernels skipped",
         True,
         False,
         OUR_WRAPPER,

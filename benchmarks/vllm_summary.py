@@ -155,8 +155,10 @@ def _run_lines(run: dict[str, Any]) -> list[str]:
     return lines
 
 
-def summary_lines(runs: list[dict[str, Any]]) -> list[str]:
-    """The markdown of vllm_defaults.md."""
+def summary_lines(
+    runs: list[dict[str, Any]], out_dir: pathlib.Path
+) -> list[str]:
+    """The markdown of out_dir/vllm_defaults.md."""
     m = runs[0]["machine"]
     threads = runs[0]["configs"]["ours"]["worker_threads"]
     return [
@@ -210,22 +212,35 @@ def summary_lines(runs: list[dict[str, Any]]) -> list[str]:
         "## Runs",
         "",
         *[line for run in runs for line in _run_lines(run)],
-        *_missing_lines(runs),
+        *_missing_lines(runs, out_dir),
         "",
     ]
 
 
-def _missing_lines(runs: list[dict[str, Any]]) -> list[str]:
-    """Markdown bullets: the real-shape presets no run here has measured."""
-    from benchmarks.vllm_e2e import PRESETS
+def _missing_lines(
+    runs: list[dict[str, Any]], out_dir: pathlib.Path
+) -> list[str]:
+    """Markdown bullets: the real-shape presets without a run's JSON here,
+    pointing to the model's report where only that was kept."""
+    from benchmarks.vllm_e2e import PRESETS, model_stem
 
     done = {run["settings"]["model"] for run in runs}
-    return [
-        f"- **{name}**: not measured on this machine yet (`python -m "
-        f"benchmarks.vllm_e2e --model {name}`)."
-        for name, preset in sorted(PRESETS.items())
-        if preset.shape is not None and name not in done
-    ]
+    lines = []
+    for name, preset in sorted(PRESETS.items()):
+        if preset.shape is None or name in done:
+            continue
+        report = f"{STEM}_{model_stem(name)}.md"
+        if (out_dir / report).exists():
+            lines.append(
+                f"- **{name}**: only its report, [{report}]({report}), is "
+                "here, not its run's JSON, so it is not in the tables above."
+            )
+        else:
+            lines.append(
+                f"- **{name}**: not measured on this machine yet (`python -m "
+                f"benchmarks.vllm_e2e --model {name}`)."
+            )
+    return lines
 
 
 def write_summary(out_dir: pathlib.Path) -> pathlib.Path | None:
@@ -236,7 +251,7 @@ def write_summary(out_dir: pathlib.Path) -> pathlib.Path | None:
     if not runs:
         return None
     path = out_dir / f"{STEM}.md"
-    report.write_markdown(path, summary_lines(runs))
+    report.write_markdown(path, summary_lines(runs, out_dir))
     return path
 
 
