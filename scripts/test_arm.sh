@@ -137,24 +137,24 @@ arm_python() {
 
 # What detection must find on each model, and what runs there: the subset
 # on -cpu max, whose paths are all of them, then the bad-input table once
-# per path (forced with VLLM_CPU_LORA_ISA: its checks must hold whatever
-# kernel a path has); on cortex-a72 (no BF16) the detection tests, since its
-# paths' code is what max runs too. All in pytest's process: each start of
-# torch under qemu takes minutes.
+# per path the CPU has (forced with VLLM_CPU_LORA_ISA: its checks must hold
+# whatever kernel a path has); on cortex-a72 (no BF16) the detection tests,
+# since its paths' code is what max runs too. All in pytest's process: each
+# start of torch under qemu takes minutes.
 declare -A want=([max]="neon_bf16 neon scalar" [cortex-a72]="neon scalar")
 mapfile -t subset < <(grep -v -e '^#' -e '^$' scripts/arm/tests.txt)
 for cpu in "${cpus[@]}"; do
   say "qemu -cpu $cpu"
-  table_paths=""
+  table=no
   if [ $# -gt 0 ]; then
     tests=("$@")
   elif [ "$cpu" = cortex-a72 ]; then
     tests=(tests/test_isa.py)
   else
     tests=("${subset[@]}")
-    table_paths=${want[$cpu]}
+    table=yes
   fi
-  arm_python "$cpu" - "${want[$cpu]:-}" "$table_paths" "${tests[@]}" <<'EOF'
+  arm_python "$cpu" - "${want[$cpu]:-}" "$table" "${tests[@]}" <<'EOF'
 import os
 import sys
 
@@ -162,14 +162,14 @@ import pytest
 
 import vllm_cpu_lora
 
-want, table_paths, tests = sys.argv[1], sys.argv[2].split(), sys.argv[3:]
+want, table, tests = sys.argv[1], sys.argv[2] == "yes", sys.argv[3:]
 got = " ".join(vllm_cpu_lora.supported_isas())
 print("ISA paths:", got)
 if want and got != want:
     sys.exit(f"test_arm: expected {want}")
 args = ["-q", "-p", "no:cacheprovider"]
 status = pytest.main([*args, *tests])
-for path in table_paths:
+for path in vllm_cpu_lora.supported_isas() if table else []:
     if status != 0:
         break
     os.environ["VLLM_CPU_LORA_ISA"] = path
