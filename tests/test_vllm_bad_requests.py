@@ -33,9 +33,11 @@ from vllm_cpu_lora import server, tiny_model  # noqa: E402
 BASE = "base"
 PROMPT = tiny_model.PROMPTS[0]
 MAX_TOKENS = 8
-# Long enough to still be decoding when the unload arrives (max-model-len
-# is 256).
-IN_FLIGHT_TOKENS = 200
+# The tiny model's whole context, so the in-flight requests decode for
+# seconds and the unload (milliseconds) lands while they run even on a
+# loaded machine.
+MAX_MODEL_LEN = tiny_model.MAX_POSITIONS
+IN_FLIGHT_TOKENS = MAX_MODEL_LEN - 32
 
 
 class KnownVllmBugError(AssertionError):
@@ -105,6 +107,7 @@ def served(tmp_path_factory):
         adapters={"good": good},
         log_path=work / "serve.log",
         dtype="float32",
+        max_model_len=MAX_MODEL_LEN,
         extra_args=["--served-model-name", BASE],
     ) as srv:
         reference = {m: _complete(srv, m) for m in (BASE, "good")}
@@ -276,9 +279,11 @@ def test_unloading_with_requests_in_flight(served):
         finished.append(time.monotonic())
 
     threads = [threading.Thread(target=send) for _ in range(4)]
+    started_at = time.monotonic()
     for thread in threads:
         thread.start()
     _wait_until_running(srv, len(threads))
+    running_at = time.monotonic()
     unload = _api(srv, "unload", {"lora_name": "in-flight"})
     unloaded_at = time.monotonic()
     after = _complete(srv, "in-flight")
@@ -286,7 +291,12 @@ def test_unloading_with_requests_in_flight(served):
         thread.join()
 
     assert unload[0] == 200, unload
-    assert min(finished) > unloaded_at, "the requests ended before the unload"
+    assert min(finished) > unloaded_at, (
+        "the requests ended before the unload: seen running after "
+        f"{running_at - started_at:.3f} s, unloaded after "
+        f"{unloaded_at - started_at:.3f} s, first done after "
+        f"{min(finished) - started_at:.3f} s"
+    )
     assert after[0] == 404
     assert "The model `in-flight` does not exist." in after[1]
     assert [status for status, _ in results] == [200] * 4

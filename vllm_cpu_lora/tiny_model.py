@@ -16,6 +16,7 @@ import torch
 
 __all__ = [
     "LORA_TARGETS",
+    "MAX_POSITIONS",
     "PROMPTS",
     "build_lora_adapter",
     "build_tiny_llama",
@@ -31,6 +32,9 @@ LORA_TARGETS = (
     "up_proj",
     "down_proj",
 )
+
+# The tiny Llama's context length.
+MAX_POSITIONS = 512
 
 # Training text for the tokenizer, and the source of the prompts.
 _TEXT = """\
@@ -125,7 +129,7 @@ def build_tiny_llama(
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
-        max_position_embeddings=512,
+        max_position_embeddings=MAX_POSITIONS,
         initializer_range=init_std,
         bos_token_id=tok.token_to_id("<s>"),
         eos_token_id=tok.token_to_id("</s>"),
