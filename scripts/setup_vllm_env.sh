@@ -36,10 +36,13 @@ if ! scripts/setup_env.sh >"$wheels/build.log" 2>&1; then
   exit 1
 fi
 # setup.py reuses the objects of .venv's in-place build (seconds); pip wheel
-# compiles everything again (minutes). build/lib is only the wheel's staging
-# area: emptied, so that no file the package no longer has gets in.
+# compiles everything again (minutes). So does another ninja than the one
+# that made them (.venv's): ninja versions hash the commands in their log
+# differently. build/lib is only the wheel's staging area: emptied, so that
+# no file the package no longer has gets in.
 rm -rf build/lib.*
-.venv/bin/python setup.py -q bdist_wheel -d "$wheels" >/dev/null 2>&1
+PATH="$PWD/.venv/bin:$PATH" .venv/bin/python setup.py -q bdist_wheel \
+  -d "$wheels" >/dev/null 2>&1
 wheel="$(find "$wheels" -name 'vllm_cpu_lora-*.whl')"
 log "installing it and the test tools into $venv"
 "$venv/bin/pip" install -q --no-deps --force-reinstall "$wheel" >&2
