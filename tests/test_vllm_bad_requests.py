@@ -37,7 +37,7 @@ MAX_TOKENS = 8
 # seconds and the unload (milliseconds) lands while they run even on a
 # loaded machine.
 MAX_MODEL_LEN = tiny_model.MAX_POSITIONS
-IN_FLIGHT_TOKENS = MAX_MODEL_LEN - 32
+IN_FLIGHT_TOKENS = MAX_MODEL_LEN - 32  # room for the prompt
 
 
 class KnownVllmBugError(AssertionError):
