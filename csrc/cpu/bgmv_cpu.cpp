@@ -406,6 +406,7 @@ TORCH_LIBRARY(vllm_cpu_lora, m) {
       "int offset_start=0, bool add_inputs=True) -> ()");
   m.def("isa() -> str", &IsaName);
   m.def("supported_isas() -> str[]", &SupportedIsas);
+  m.def("built_isas() -> str[]", &BuiltIsas);
 }
 
 TORCH_LIBRARY_IMPL(vllm_cpu_lora, CPU, m) {

@@ -67,8 +67,14 @@ const CpuFeatures& Features() {
   return features;
 }
 
+// Whether this build has the path's kernels (build_isas.py).
+bool IsBuilt(Isa isa) {
+  const IsaKernels& kernels = KernelsFor(isa);
+  return kernels.dot != nullptr && kernels.pack != nullptr;
+}
+
 bool IsSupported(Isa isa) {
-  return Features().supported[static_cast<int>(isa)];
+  return IsBuilt(isa) && Features().supported[static_cast<int>(isa)];
 }
 
 // Every path of this architecture: best first, the test-only ones last.
@@ -94,6 +100,14 @@ std::string Join(const std::vector<std::string>& names) {
 
 }  // namespace
 
+std::vector<std::string> BuiltIsas() {
+  std::vector<std::string> names;
+  for (const Isa isa : AllIsas()) {
+    if (IsBuilt(isa)) names.push_back(kIsaNames[static_cast<int>(isa)]);
+  }
+  return names;
+}
+
 std::vector<std::string> SupportedIsas() {
   std::vector<std::string> names;
   for (const Isa isa : AllIsas()) {
@@ -107,6 +121,9 @@ IsaChoice SelectIsa() {
   if (forced != nullptr && *forced != '\0') {
     for (int i = 0; i < static_cast<int>(Isa::kCount); ++i) {
       if (std::string(forced) != kIsaNames[i]) continue;
+      TORCH_CHECK(IsBuilt(static_cast<Isa>(i)), "VLLM_CPU_LORA_ISA=", forced,
+                  " is not built into this install (built: ", Join(BuiltIsas()),
+                  "); VLLM_CPU_LORA_BUILD_ISAS chose the paths at build time");
       TORCH_CHECK(
           IsSupported(static_cast<Isa>(i)), "VLLM_CPU_LORA_ISA=", forced,
           " is not supported by this CPU (supported: ", Join(SupportedIsas()),
@@ -129,18 +146,27 @@ IsaChoice SelectIsa() {
   return IsaChoice{Isa::kScalar, false};
 }
 
+namespace {
+
+// The kernels of a path this build lacks (its weak accessor is null) are null.
+IsaKernels KernelsIfBuilt(IsaKernels (*kernels)()) {
+  return kernels != nullptr ? kernels() : IsaKernels{nullptr, nullptr};
+}
+
+}  // namespace
+
 const IsaKernels& KernelsFor(Isa isa) {
   static const IsaKernels table[] = {
     scalar::Kernels(),
 #if defined(__x86_64__)
-    avx2::Kernels(),
-    avx512::Kernels(),
-    avx512_bf16::Kernels(),
-    amx::Kernels(),
-    amx_emulated::Kernels(),
+    KernelsIfBuilt(&avx2::Kernels),
+    KernelsIfBuilt(&avx512::Kernels),
+    KernelsIfBuilt(&avx512_bf16::Kernels),
+    KernelsIfBuilt(&amx::Kernels),
+    KernelsIfBuilt(&amx_emulated::Kernels),
 #elif defined(__aarch64__)
-    neon::Kernels(),
-    neon_bf16::Kernels(),
+    KernelsIfBuilt(&neon::Kernels),
+    KernelsIfBuilt(&neon_bf16::Kernels),
 #endif
   };
   static_assert(std::size(table) == static_cast<size_t>(Isa::kCount));

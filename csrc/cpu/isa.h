@@ -38,7 +38,12 @@ struct IsaChoice {
 // ~100 ns), so tests can switch paths.
 IsaChoice SelectIsa();
 
-// Supported paths, best first, the test-only emulation last.
+// The paths this build has kernels for (all of this architecture's, unless
+// VLLM_CPU_LORA_BUILD_ISAS chose fewer), best first, test-only ones last.
+std::vector<std::string> BuiltIsas();
+
+// Supported paths (built, and run by this CPU), best first, the test-only
+// emulation last.
 std::vector<std::string> SupportedIsas();
 
 // The name of the path SelectIsa() takes, e.g. "avx512_bf16" or "neon".

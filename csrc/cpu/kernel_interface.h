@@ -66,32 +66,37 @@ struct IsaKernels {
 };
 
 // One accessor per ISA translation unit; all but scalar's are built on their
-// architecture only (x86-64: avx2 to amx_emulated; aarch64: neon, neon_bf16).
+// architecture only (x86-64: avx2 to amx_emulated; aarch64: neon, neon_bf16),
+// and only where the build selects them (VLLM_CPU_LORA_BUILD_ISAS,
+// build_isas.py). Those are weak: an accessor whose unit was not linked in
+// has the address null, which is how isa.cpp tells what was built.
+#define VLLM_CPU_LORA_OPTIONAL __attribute__((weak))
 namespace scalar {
 IsaKernels Kernels();
 }
 namespace avx2 {
-IsaKernels Kernels();
+VLLM_CPU_LORA_OPTIONAL IsaKernels Kernels();
 }
 namespace avx512 {
-IsaKernels Kernels();
+VLLM_CPU_LORA_OPTIONAL IsaKernels Kernels();
 }
 namespace avx512_bf16 {
-IsaKernels Kernels();
+VLLM_CPU_LORA_OPTIONAL IsaKernels Kernels();
 }
 namespace amx {
-IsaKernels Kernels();
+VLLM_CPU_LORA_OPTIONAL IsaKernels Kernels();
 }
 // The AMX kernel on software-emulated tiles (amx_emulation.h): test-only, so
 // the AMX blocking, packing and remainders are checked on CPUs without AMX.
 namespace amx_emulated {
-IsaKernels Kernels();
+VLLM_CPU_LORA_OPTIONAL IsaKernels Kernels();
 }
 namespace neon {
-IsaKernels Kernels();
+VLLM_CPU_LORA_OPTIONAL IsaKernels Kernels();
 }
 namespace neon_bf16 {
-IsaKernels Kernels();
+VLLM_CPU_LORA_OPTIONAL IsaKernels Kernels();
 }
+#undef VLLM_CPU_LORA_OPTIONAL
 
 }  // namespace vllm_cpu_lora
