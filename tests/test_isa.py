@@ -49,6 +49,9 @@ def test_every_path_is_built_unless_the_build_chose_fewer():
     assert vllm_cpu_lora.built_isas() == KNOWN
 
 
+@pytest.mark.skipif(
+    platform.machine() != "x86_64", reason="native selects every path there"
+)
 def test_native_build_selects_the_paths_this_cpu_runs():
     """build_isas.py's CPU tests (torch's) agree with csrc/cpu/isa.cpp's."""
     native = build_isas.selected_paths("native") & set(KNOWN)
@@ -72,7 +75,10 @@ def test_a_build_of_some_paths_has_only_those(tmp_path):
     """VLLM_CPU_LORA_BUILD_ISAS=avx2 links only the avx2 and scalar kernels
     (reusing the in-tree build's objects): the others are neither listed nor
     forceable, and a call runs and is right."""
-    env = {**os.environ, build_isas.ENV: "avx2"}
+    # The venv's ninja, which made the in-tree objects: another version
+    # would compile them all again (docs/vllm.md).
+    path = f"{pathlib.Path(sys.executable).parent}:{os.environ['PATH']}"
+    env = {**os.environ, build_isas.ENV: "avx2", "PATH": path}
     subprocess.run(
         [sys.executable, "setup.py", "-q", "build_ext", "--build-lib",
          str(tmp_path)],
@@ -95,8 +101,8 @@ ops.bgmv_shrink(x, w, out, idx, 0.5)
 sel = w[idx.clamp(min=0)].double()
 exact = torch.einsum("tk,tnk->tn", x.double(), sel) * 0.5
 size = torch.einsum("tk,tnk->tn", x.double().abs(), sel.abs()) * 0.5
-exact[idx < 0] = 0
-assert ((out.double() - exact).abs() <= 78 * 2**-24 * size).all(), out
+assert (out[idx < 0] == 0).all(), out
+assert ((out.double() - exact).abs() <= 78 * 2**-24 * size)[idx >= 0].all()
 os.environ["VLLM_CPU_LORA_ISA"] = "avx512"
 try:
     vllm_cpu_lora.isa()
