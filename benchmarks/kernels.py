@@ -277,7 +277,7 @@ def run_cases(
     """Checks and times every case with the current torch thread count."""
     threads = torch.get_num_threads()
     peak, peak_name = limits.peak_for(isa_path)
-    bf16_peak, bf16_peak_name = limits.bf16_peak()
+    bf16_peak, bf16_peak_name = limits.bf16_peak(isa_path)
     results, failures = [], []
     for i, case in enumerate(common.progress(cases, f"{threads} thread(s)")):
         prep = prepare(case, seed=i)

@@ -40,7 +40,8 @@ class Run:
 def _bf16_peak_name(run: Run) -> str:
     """The peak of the all-threads 'of bf16 peak' target (vdpbf16ps if any)."""
     lim = run.limits.get(run.all_threads)
-    return lim.bf16_peak()[1] if lim else "vdpbf16ps"
+    isa = run.machine["isa_path"]
+    return lim.bf16_peak(isa)[1] if lim else "vdpbf16ps"
 
 
 def summarize(run: Run) -> tuple[dict[str, dict[str, float]], list[Target]]:
@@ -166,7 +167,7 @@ def _peaks_line(run: Run) -> str:
     lim = next(iter(run.limits.values()), None)
     if lim is None:
         return ""
-    bound, bf16 = lim.peak_for(isa)[1], lim.bf16_peak()[1]
+    bound, bf16 = lim.peak_for(isa)[1], lim.bf16_peak(isa)[1]
     widened = " (bf16 widened to fp32)" if bf16 == "fp32 FMA" else ""
     return (
         f"- On this run's ISA path `{isa}` the compute peak of the bound is "
@@ -200,8 +201,9 @@ def markdown_lines(
         "",
         "Micro-kernels compiled at run time (best of several runs; "
         "`benchmarks/micro/micro_kernels.cpp`): AVX-512 loads (AVX2 loads "
-        "on a CPU without AVX-512) summed for read bandwidth, each thread on "
-        "its own slice; a register loop of `vdpbf16ps` (64 flop each) or "
+        "on a CPU without AVX-512 or on the `avx2` path) summed for read "
+        "bandwidth, each thread on its own slice; a register loop of "
+        "`vdpbf16ps` (64 flop each) or "
         "`vfmadd231ps` (32 flop on 512-bit registers with 24 independent "
         "accumulators per thread, 16 flop on AVX2's 256-bit ones with 12) "
         "for peak; where the CPU has AMX, `tdpbf16ps` on four independent C "
@@ -235,7 +237,7 @@ def markdown_lines(
         "figure, else the L3 figure (DRAM only beyond half the L3). "
         "'of bound' = bound time / our time (100% = at the bound).",
         "- 'of bf16 peak' = flops / our time / measured vdpbf16ps peak "
-        "(the fp32 FMA peak on a CPU without vdpbf16ps; a kernel on the AMX "
+        "(the fp32 FMA peak on a path without vdpbf16ps; a kernel on the AMX "
         "path can pass 100%).",
         _peaks_line(run),
         "",

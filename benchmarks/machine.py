@@ -106,9 +106,11 @@ def best_isa(flags: set[str]) -> str:
     return platform.machine().lower() or "scalar"
 
 
-def micro_isa(flags: set[str]) -> str | None:
-    """The micro-kernels' load and FMA variant for these flags (None: none)."""
-    if "avx512f" in flags:
+def micro_isa(flags: set[str], isa_path: str = "") -> str | None:
+    """The micro-kernels' load and FMA variant for these flags (None: none),
+    no wider than the ISA path in use: a path forced on a wider CPU
+    (VLLM_CPU_LORA_ISA=avx2 on AVX-512) is bound by what it can use."""
+    if "avx512f" in flags and isa_path != "avx2":
         return "avx512"
     if {"avx2", "fma"} <= flags:
         return "avx2"
@@ -217,6 +219,10 @@ def describe_machine(all_threads: int) -> dict[str, Any]:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "isa_path": vllm_cpu_lora.isa(),
+        # What torch's own kernels (the baselines) may use: ATen's vector
+        # ISA (ATEN_CPU_CAPABILITY) and oneDNN's limit (ONEDNN_MAX_CPU_ISA).
+        "torch_isa": torch.backends.cpu.get_cpu_capability(),
+        "onednn_max_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", "unlimited"),
         "supported_isas": vllm_cpu_lora.supported_isas(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
             timespec="seconds"
@@ -275,9 +281,11 @@ class Limits:
         value, attr = max(peaks)
         return value, _PEAK_NAMES[attr]
 
-    def bf16_peak(self) -> tuple[float, str]:
-        """The bf16 vector peak: vdpbf16ps, else fp32 FMA (bf16 widened)."""
-        if math.isfinite(self.bf16_dot_peak):
+    def bf16_peak(self, isa_path: str) -> tuple[float, str]:
+        """The bf16 vector peak of vllm_cpu_lora's path: vdpbf16ps where the
+        path uses it and it was measured, else fp32 FMA (bf16 widened)."""
+        attrs = _PATH_PEAKS.get(isa_path, tuple(_PEAK_NAMES))
+        if "bf16_dot_peak" in attrs and math.isfinite(self.bf16_dot_peak):
             return self.bf16_dot_peak, "vdpbf16ps"
         return self.fp32_fma_peak, "fp32 FMA"
 
@@ -351,7 +359,9 @@ def measure_limits(micro: Any, threads: int, quick: bool) -> Limits:
     sizes = (l2_core * threads, l3, l2_buffer, l3_buffer, dram_buffer)
     target = 0.03 if quick else 0.08
     nan = math.nan
-    isa = micro_isa(flags)
+    import vllm_cpu_lora
+
+    isa = micro_isa(flags, vllm_cpu_lora.isa())
     if isa is None:
         print("warning: no AVX2 or AVX-512: machine limits not measured")
         return Limits(threads, "", nan, nan, nan, nan, nan, nan, *sizes)

@@ -144,6 +144,11 @@ def cpu_lines(
     )
     if supported:
         software += f" (supported: {', '.join(m['supported_isas'])})"
+    if "torch_isa" in m:
+        software += (
+            f"; torch's own kernels: ATen `{m['torch_isa']}`, oneDNN "
+            f"{m['onednn_max_isa']}"
+        )
     return [*lines, software]
 
 
