@@ -72,7 +72,5 @@ def selected_paths(spec: str | None) -> set[str]:
 def kernel_sources(sources: list[str]) -> list[str]:
     """`sources` without the kernel units of the paths not selected."""
     chosen = selected_paths(os.environ.get(ENV))
-    left_out = {f"kernels_{name}.cpp" for name in OPTIONAL_PATHS} - {
-        f"kernels_{name}.cpp" for name in chosen
-    }
+    left_out = {f"kernels_{name}.cpp" for name in set(OPTIONAL_PATHS) - chosen}
     return [s for s in sources if os.path.basename(s) not in left_out]

@@ -67,6 +67,11 @@ const CpuFeatures& Features() {
   return features;
 }
 
+// The kernels of a path this build lacks (its weak accessor is null) are null.
+IsaKernels KernelsIfBuilt(IsaKernels (*kernels)()) {
+  return kernels != nullptr ? kernels() : IsaKernels{nullptr, nullptr};
+}
+
 // Whether this build has the path's kernels (build_isas.py).
 bool IsBuilt(Isa isa) {
   const IsaKernels& kernels = KernelsFor(isa);
@@ -145,15 +150,6 @@ IsaChoice SelectIsa() {
   }
   return IsaChoice{Isa::kScalar, false};
 }
-
-namespace {
-
-// The kernels of a path this build lacks (its weak accessor is null) are null.
-IsaKernels KernelsIfBuilt(IsaKernels (*kernels)()) {
-  return kernels != nullptr ? kernels() : IsaKernels{nullptr, nullptr};
-}
-
-}  // namespace
 
 const IsaKernels& KernelsFor(Isa isa) {
   static const IsaKernels table[] = {
