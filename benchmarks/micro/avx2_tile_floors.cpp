@@ -1,0 +1,193 @@
+// The floors of the avx2 path's tiles outside the library (docs/tuning.md
+// #avx2-tile-floors): the rows tile of a one-token rank-16 expand (bf16
+// weights in vLLM's [N, r] layout, weights hot in L2) and the dot tile of a
+// prefill shrink, each with the alternatives measured against it. Uses the
+// kernels' own vector policy (csrc/cpu/vec_avx2.h). Build and run on an
+// AVX2 CPU with the lines in docs/tuning.md#avx2-tile-floors.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <random>
+#include <vector>
+
+#define VLLM_CPU_LORA_ISA_NS avx2
+#include "vec_avx2.h"
+
+namespace {
+
+using vllm_cpu_lora::avx2::VecAvx2;
+using V = VecAvx2;
+using F = __m256;
+using Bf16 = c10::BFloat16;
+
+// ---- one-token expand, rank 16: out[n] += scale * sum_k x[k] w[n][k] ----
+constexpr int kRank = 16;
+
+// U tiles of 8 rows per step; the split input hoisted; bf16 output with add.
+template <int U>
+__attribute__((noinline)) void ExpandTiles(const Bf16* w, const float* x,
+                                           Bf16* out, int n_out, float scale) {
+  const V::Split xs = V::LoadSplit(x);
+  const F s = V::Set1(scale);
+  for (int n = 0; n < n_out; n += 8 * U) {
+    F r[U];
+    for (int u = 0; u < U; ++u) {
+      F acc[8];
+      for (int j = 0; j < 8; ++j)
+        acc[j] = V::FmaSplit(xs, V::LoadSplit(w + (n + 8 * u + j) * kRank),
+                             V::Zero());
+      r[u] = V::SumLanes(acc);
+    }
+    for (int u = 0; u < U; ++u) {
+      Bf16* o = out + n + 8 * u;
+      V::Store(o, V::Add(V::Mul(r[u], s), V::Load(o)));
+    }
+  }
+}
+
+// The products and sums only: fp32 sums stored, no output conversion.
+__attribute__((noinline)) void ExpandSumsOnly(const Bf16* w, const float* x,
+                                              float* out, int n_out) {
+  const V::Split xs = V::LoadSplit(x);
+  for (int n = 0; n < n_out; n += 8) {
+    F acc[8];
+    for (int j = 0; j < 8; ++j)
+      acc[j] = V::FmaSplit(xs, V::LoadSplit(w + (n + j) * kRank), V::Zero());
+    _mm256_storeu_ps(out + n, V::SumLanes(acc));
+  }
+}
+
+// ---- prefill shrink: out[t][n] = sum_k x[t][k] w[n][k], bf16 ----
+constexpr int kHidden = 4096;
+
+// The library's dot tile: 2 tokens x 4 rows, both operands split.
+__attribute__((noinline)) void ShrinkSplit2x4(const Bf16* x, const Bf16* w,
+                                              int tokens, int rank,
+                                              float* out) {
+  for (int t = 0; t + 2 <= tokens; t += 2) {
+    for (int n = 0; n < rank; n += 4) {
+      F acc[2][4];
+      for (auto& row : acc)
+        for (F& v : row) v = V::Zero();
+      for (int k = 0; k < kHidden; k += 16) {
+        const V::Split xv[2] = {V::LoadSplit(x + t * kHidden + k),
+                                V::LoadSplit(x + (t + 1) * kHidden + k)};
+        for (int j = 0; j < 4; ++j) {
+          const V::Split wv = V::LoadSplit(w + (n + j) * kHidden + k);
+          for (int i = 0; i < 2; ++i)
+            acc[i][j] = V::FmaSplit(xv[i], wv, acc[i][j]);
+        }
+      }
+      for (int i = 0; i < 2; ++i)
+        for (int j = 0; j < 4; ++j)
+          out[(t + i) * rank + n + j] = V::Reduce(acc[i][j]);
+    }
+  }
+}
+
+// The alternative: MT tokens' inputs converted to fp32 per k block of KC,
+// MT x NR tiles of widened weights, one FMA chain per accumulator.
+template <int MT, int NR, int KC>
+__attribute__((noinline)) void ShrinkConverted(const Bf16* x, const Bf16* w,
+                                               int tokens, int rank,
+                                               float* out) {
+  alignas(32) float xc[MT * KC];
+  for (int t = 0; t + MT <= tokens; t += MT) {
+    float res[MT][64] = {};
+    for (int k0 = 0; k0 < kHidden; k0 += KC) {
+      for (int i = 0; i < MT; ++i)
+        for (int k = 0; k < KC; k += 8)
+          _mm256_store_ps(xc + i * KC + k,
+                          V::Load(x + (t + i) * kHidden + k0 + k));
+      for (int n = 0; n < rank; n += NR) {
+        F acc[MT][NR];
+        for (auto& row : acc)
+          for (F& v : row) v = V::Zero();
+        for (int k = 0; k < KC; k += 8) {
+          for (int j = 0; j < NR; ++j) {
+            const F wv = V::Load(w + (n + j) * kHidden + k0 + k);
+            for (int i = 0; i < MT; ++i)
+              acc[i][j] =
+                  V::Fma(_mm256_load_ps(xc + i * KC + k), wv, acc[i][j]);
+          }
+        }
+        for (int i = 0; i < MT; ++i)
+          for (int j = 0; j < NR; ++j) res[i][n + j] += V::Reduce(acc[i][j]);
+      }
+    }
+    for (int i = 0; i < MT; ++i)
+      for (int j = 0; j < rank; ++j) out[(t + i) * rank + j] = res[i][j];
+  }
+}
+
+// Best of 7 timings of `reps` calls, in seconds per call.
+template <class Fn>
+double BestSeconds(Fn fn, int reps) {
+  double best = 1e30;
+  for (int round = 0; round < 7; ++round) {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < reps; ++i) fn();
+    const std::chrono::duration<double> d =
+        std::chrono::steady_clock::now() - t0;
+    best = std::min(best, d.count() / reps);
+  }
+  return best;
+}
+
+}  // namespace
+
+int main() {
+  std::mt19937 gen(0);
+  std::normal_distribution<float> dist;
+  auto fill = [&](auto& v) {
+    for (auto& e : v)
+      e = static_cast<std::remove_reference_t<decltype(e)>>(dist(gen));
+  };
+  for (int n_out : {4096, 11008}) {
+    std::vector<Bf16> w(n_out * kRank), out(n_out);
+    std::vector<float> x(kRank), sums(n_out);
+    fill(w);
+    fill(x);
+    fill(out);
+    const double tiles = n_out / 8.0;
+    auto ns = [&](auto fn) { return BestSeconds(fn, 2000) * 1e9 / tiles; };
+    std::printf(
+        "expand T=1 r=16 N=%d, ns per 8 outputs: 1 tile/step %.2f, "
+        "2 tiles/step %.2f, sums only %.2f\n",
+        n_out, ns([&] {
+          ExpandTiles<1>(w.data(), x.data(), out.data(), n_out, 0.5f);
+        }),
+        ns([&] {
+          ExpandTiles<2>(w.data(), x.data(), out.data(), n_out, 0.5f);
+        }),
+        ns([&] { ExpandSumsOnly(w.data(), x.data(), sums.data(), n_out); }));
+  }
+  for (int tokens : {504, 2046}) {  // Inputs in L3; streamed from DRAM.
+    for (int rank : {8, 16, 64}) {
+      std::vector<Bf16> x(tokens * kHidden), w(rank * kHidden);
+      std::vector<float> out(tokens * rank);
+      fill(x);
+      fill(w);
+      const double flop = 2.0 * tokens * kHidden * rank;
+      auto gflops = [&](auto fn) { return flop / BestSeconds(fn, 3) / 1e9; };
+      std::printf(
+          "shrink T=%d r=%d, GFLOP/s: split 2x4 %.1f, converted 3x4 %.1f, "
+          "4x2 %.1f, 6x2 %.1f\n",
+          tokens, rank, gflops([&] {
+            ShrinkSplit2x4(x.data(), w.data(), tokens, rank, out.data());
+          }),
+          gflops([&] {
+            ShrinkConverted<3, 4, 512>(x.data(), w.data(), tokens, rank,
+                                       out.data());
+          }),
+          gflops([&] {
+            ShrinkConverted<4, 2, 512>(x.data(), w.data(), tokens, rank,
+                                       out.data());
+          }),
+          gflops([&] {
+            ShrinkConverted<6, 2, 512>(x.data(), w.data(), tokens, rank,
+                                       out.data());
+          }));
+    }
+  }
+}
