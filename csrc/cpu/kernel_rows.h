@@ -195,7 +195,19 @@ struct RowsKernel : KernelTypes<V, TX, TW, TO> {
         for (int64_t i = 0; i < count; ++i)
           xr[i] = V::template Repeat<kG>(xc + i * rows);
       }
-      for (int64_t n = n0; n < n1; n += kL) {
+      int64_t n = n0;
+      if constexpr (kK > 0 && RowsTwoTiles(kL, kK)) {
+        for (; n + 2 * kL <= n1; n += 2 * kL) {
+          for (int64_t i = 0; i < count; ++i) {
+            const F r0 = RowsTileFixed<kK>(wa + n * kK, xc + i * rows);
+            const F r1 = RowsTileFixed<kK>(wa + (n + kL) * kK, xc + i * rows);
+            TO* o = out + tok[i] * a.out_row_stride + n;
+            Base::StoreVec(a, o, r0, kL);
+            Base::StoreVec(a, o + kL, r1, kL);
+          }
+        }
+      }
+      for (; n < n1; n += kL) {
         const int nr = static_cast<int>(std::min<int64_t>(kL, n1 - n));
         for (int64_t i = 0; i < count; ++i) {
           F r;

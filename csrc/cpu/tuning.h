@@ -66,4 +66,11 @@ constexpr int64_t RowsMaxTokensAvx2(int64_t k, int w_bytes) {
 }
 static_assert(RowsMaxTokensAvx2(kMaxPackK, 4) <= kRowsMaxTokens);
 
+// The rows tiles of 8 lanes over rows of at most 16 elements run two tiles a
+// step: there a tile's sums and store outweigh its products, and the second
+// tile's loads and products overlap the first's (#rows-two-tiles).
+constexpr bool RowsTwoTiles(int lanes, int64_t k) {
+  return lanes == 8 && k <= 16;
+}
+
 }  // namespace vllm_cpu_lora
