@@ -2,8 +2,8 @@
 // #avx2-tile-floors): the rows tile of a one-token rank-16 expand (bf16
 // weights in vLLM's [N, r] layout, weights hot in L2) and the dot tile of a
 // prefill shrink, each with the alternatives measured against it. Uses the
-// kernels' own vector policy (csrc/cpu/vec_avx2.h). Build and run on an
-// AVX2 CPU with the lines in docs/tuning.md#avx2-tile-floors.
+// kernels' own vector policy (csrc/cpu/vec_avx2.h) and dot tile. Build and run
+// on an AVX2 CPU with the lines in docs/tuning.md#avx2-tile-floors.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -11,6 +11,7 @@
 #include <vector>
 
 #define VLLM_CPU_LORA_ISA_NS avx2
+#include "kernel_dot.h"
 #include "vec_avx2.h"
 
 namespace {
@@ -23,7 +24,9 @@ using Bf16 = c10::BFloat16;
 // ---- one-token expand, rank 16: out[n] += scale * sum_k x[k] w[n][k] ----
 constexpr int kRank = 16;
 
-// U tiles of 8 rows per step; the split input hoisted; bf16 output with add.
+// The rows tile's work (kernel_rows.h) on U tiles of 8 rows per step, with
+// the input split hoisted out of the loop, which the library's tile redoes
+// per tile: the layout's floor, not the library's; bf16 output with add.
 template <int U>
 __attribute__((noinline)) void ExpandTiles(const Bf16* w, const float* x,
                                            Bf16* out, int n_out, float scale) {
@@ -60,27 +63,22 @@ __attribute__((noinline)) void ExpandSumsOnly(const Bf16* w, const float* x,
 // ---- prefill shrink: out[t][n] = sum_k x[t][k] w[n][k], bf16 ----
 constexpr int kHidden = 4096;
 
-// The library's dot tile: 2 tokens x 4 rows, both operands split.
+// The library's dot tile (kernel_dot.h): 2 tokens x 4 rows, both operands
+// split.
+using Dot = vllm_cpu_lora::avx2::DotKernel<V, Bf16, Bf16, float>;
+
 __attribute__((noinline)) void ShrinkSplit2x4(const Bf16* x, const Bf16* w,
                                               int tokens, int rank,
                                               float* out) {
   for (int t = 0; t + 2 <= tokens; t += 2) {
+    const Bf16* xr[2] = {x + t * kHidden, x + (t + 1) * kHidden};
     for (int n = 0; n < rank; n += 4) {
-      F acc[2][4];
-      for (auto& row : acc)
-        for (F& v : row) v = V::Zero();
-      for (int k = 0; k < kHidden; k += 16) {
-        const V::Split xv[2] = {V::LoadSplit(x + t * kHidden + k),
-                                V::LoadSplit(x + (t + 1) * kHidden + k)};
-        for (int j = 0; j < 4; ++j) {
-          const V::Split wv = V::LoadSplit(w + (n + j) * kHidden + k);
-          for (int i = 0; i < 2; ++i)
-            acc[i][j] = V::FmaSplit(xv[i], wv, acc[i][j]);
-        }
-      }
+      const Bf16* wr[4];
+      for (int j = 0; j < 4; ++j) wr[j] = w + (n + j) * kHidden;
+      float res[2][4];
+      Dot::DotTile<2, 4>(xr, wr, kHidden, res);
       for (int i = 0; i < 2; ++i)
-        for (int j = 0; j < 4; ++j)
-          out[(t + i) * rank + n + j] = V::Reduce(acc[i][j]);
+        for (int j = 0; j < 4; ++j) out[(t + i) * rank + n + j] = res[i][j];
     }
   }
 }
