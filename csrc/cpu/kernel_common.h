@@ -13,6 +13,7 @@
 
 #include "kernel_interface.h"
 #include "kernel_isa_namespace.h"
+#include "tuning.h"
 
 namespace vllm_cpu_lora::VLLM_CPU_LORA_ISA_NS {
 
@@ -73,6 +74,16 @@ struct PairVec<V, true> {
   using Type = typename V::BH;
 };
 
+// V::Split where bf16 weights are split (kSplit), else PV.
+template <class V, bool kSplit, class PV>
+struct SplitVec {
+  using Type = PV;
+};
+template <class V, class PV>
+struct SplitVec<V, true, PV> {
+  using Type = typename V::Split;
+};
+
 template <class V, class TX, class TW, class TO>
 struct KernelTypes {
   using F = typename V::F;
@@ -91,6 +102,12 @@ struct KernelTypes {
   static constexpr bool kSplit =
       !kPairs && V::kSplitBf16 && std::is_same_v<TW, c10::BFloat16>;
   static constexpr int kSplitElems = 2 * kL;
+
+  static constexpr WeightProducts kProducts =
+      kPairs                      ? WeightProducts::kBf16Pairs
+      : kSplit                    ? WeightProducts::kBf16Halves
+      : std::is_same_v<TW, float> ? WeightProducts::kFp32
+                                  : WeightProducts::kWidened;
 
   // Converted inputs and packed weights: fp32, or bf16 pairs (kPairs).
   using PackT = std::conditional_t<kPairs, uint32_t, float>;

@@ -140,39 +140,72 @@ struct RowsKernel : KernelTypes<V, TX, TW, TO> {
     return V::SumLanes(acc);
   }
 
+  // The operands of the grouped tiles: with kSplit the even and odd halves
+  // of bf16 rows (V::Split, GroupElems() elements), else PVs.
+  using GV = typename SplitVec<V, kSplit, PV>::Type;
+  static constexpr int GroupElems() {
+    return kSplit ? kSplitElems : LoadElems();
+  }
+
   // Lanes per weight row when several short rows share a vector (G of the
-  // kL lanes each: bf16 pairs, or fp32 elements), 0 where that does not
-  // apply: the rows must be contiguous and G in {4, 8} (V::SumGroups).
+  // kL lanes each: bf16 pairs or halves, or fp32 elements), 0 where that
+  // does not apply: the rows must be contiguous and G in {4, 8}
+  // (V::SumGroups).
   static int RowGroupLanes(const LoraArgs& a) {
     if constexpr (!V::kRowGroups) {
       return 0;
     } else {
-      const int64_t lanes = kPairs ? a.k / 2 : a.k;
+      constexpr bool kHalves = kPairs || kSplit;
+      const int64_t lanes = kHalves ? a.k / 2 : a.k;
       const bool fits = (lanes == 4 || lanes == 8) &&
-                        (!kPairs || a.k % 2 == 0) && a.w_row_stride == a.k;
+                        (!kHalves || a.k % 2 == 0) && a.w_row_stride == a.k;
       return fits ? static_cast<int>(lanes) : 0;
     }
   }
 
-  // RowsTile for short contiguous rows, kL / G rows per vector: G vectors
-  // hold the kL rows [n, n + kL) (elements past row n + nr are not read),
-  // one product each with the token's inputs repeated per row (xr), and
+  // A token's inputs (k = 2G with kSplit, else G entries of xc) repeated once
+  // per row of a GV.
+  template <int G>
+  static GV RepeatInputs(const PackT* xc) {
+    if constexpr (kSplit) {
+      float even[G], odd[G];
+      for (int g = 0; g < G; ++g) {
+        even[g] = xc[2 * g];
+        odd[g] = xc[2 * g + 1];
+      }
+      return {V::template Repeat<G>(even), V::template Repeat<G>(odd)};
+    } else {
+      return V::template Repeat<G>(xc);
+    }
+  }
+
+  // The lane-wise products of a GV of inputs and the weights at p, of which
+  // only the first `valid` elements are read.
+  static F GroupProducts(const GV& x, const TW* p, int64_t valid) {
+    constexpr int kElems = GroupElems();
+    const int n = static_cast<int>(std::clamp<int64_t>(valid, 0, kElems));
+    if constexpr (kSplit) {
+      const typename V::Split w =
+          n == kElems ? V::LoadSplit(p) : V::LoadSplitPartial(p, n);
+      return V::FmaSplit(x, w, V::Zero());
+    } else {
+      return MulAdd(V::Zero(), x, n == kElems ? LoadW(p) : LoadWPartial(p, n));
+    }
+  }
+
+  // RowsTile for short contiguous rows, kL / G rows per GV: G of them hold
+  // the kL rows [n, n + kL) (elements past row n + nr are not read), one
+  // product each with the token's inputs repeated per row (xr), and
   // V::SumGroups sums each row's G lanes into its output lane.
   template <int G>
   static F RowsGroupTile(const TW* wa, int64_t k, int64_t n, int nr,
-                         const PV& xr) {
-    constexpr int64_t kElems = LoadElems();
+                         const GV& xr) {
     const TW* tile = wa + n * k;
     const int64_t valid = nr * k;
     F acc[G];
     for (int q = 0; q < G; ++q) {
-      const int64_t left = valid - q * kElems;
-      const PV w =
-          left >= kElems
-              ? LoadW(tile + q * kElems)
-              : LoadWPartial(tile + q * kElems,
-                             static_cast<int>(std::max<int64_t>(0, left)));
-      acc[q] = MulAdd(V::Zero(), xr, w);
+      acc[q] =
+          GroupProducts(xr, tile + q * GroupElems(), valid - q * GroupElems());
     }
     return V::template SumGroups<G>(acc);
   }
@@ -189,11 +222,11 @@ struct RowsKernel : KernelTypes<V, TX, TW, TO> {
     auto sweep = [&](auto lanes, auto fixed_k) {
       constexpr int kG = decltype(lanes)::value;
       constexpr int kK = decltype(fixed_k)::value;
-      // The inputs repeated once per row of a vector (grouped tiles only).
-      PV xr[kRowsMaxTokens];
+      // The inputs repeated once per row of a GV (grouped tiles only).
+      GV xr[kRowsMaxTokens];
       if constexpr (kG > 0) {
         for (int64_t i = 0; i < count; ++i)
-          xr[i] = V::template Repeat<kG>(xc + i * rows);
+          xr[i] = RepeatInputs<kG>(xc + i * rows);
       }
       int64_t n = n0;
       if constexpr (kK > 0 && RowsTwoTiles(kL, kK)) {
@@ -236,8 +269,8 @@ struct RowsKernel : KernelTypes<V, TX, TW, TO> {
             return sweep(kNone{}, integral_constant<int, 8>{});
           }
           break;
-        case 16:
-          if constexpr (!V::kRowGroups && kL <= 16) {
+        case 16:  // Ungrouped where 16 elements fill vectors (fp16, fp32).
+          if constexpr (16 % LoadElems() == 0) {
             return sweep(kNone{}, integral_constant<int, 16>{});
           }
           break;

@@ -44,6 +44,11 @@ constexpr int64_t AmxSwapMinTokens(int64_t k, int64_t rows, bool pack) {
   return rows >= 16 ? 2 : rows >= 8 ? 4 : kNever;
 }
 
+// How the kernels multiply the weights: as bf16 pairs (vdpbf16ps), as even
+// and odd fp32 halves of bf16, widened to fp32 per vector (fp16, or bf16
+// without the split), or as fp32.
+enum class WeightProducts { kBf16Pairs, kBf16Halves, kWidened, kFp32 };
+
 // Within the pack blocking, groups of at most RowsMaxTokens(k, grouped)
 // tokens read the weight rows in place instead of repacking them: packing's
 // transposes pay off only when enough tokens share them (#rows-max-tokens).
@@ -59,12 +64,22 @@ static_assert(RowsMaxTokens(8, true) <= kRowsMaxTokens &&
 // The same on AVX2: 8 fp32 lanes and no pair products, so a vector holds
 // fewer elements of a row and packing transposes cost more per output; 16-bit
 // weights are widened once per token in the rows tiles (#rows-max-tokens-avx2).
-// `w_bytes`: the size of a weight element.
-constexpr int64_t RowsMaxTokensAvx2(int64_t k, int w_bytes) {
-  if (w_bytes == 4) return 8;
+constexpr int64_t RowsMaxTokensAvx2(int64_t k, WeightProducts p) {
+  if (p == WeightProducts::kFp32) return 8;
   return k >= 64 ? 8 : k >= 16 ? 4 : 2;
 }
-static_assert(RowsMaxTokensAvx2(kMaxPackK, 4) <= kRowsMaxTokens);
+static_assert(RowsMaxTokensAvx2(kMaxPackK, WeightProducts::kFp32) <=
+              kRowsMaxTokens);
+
+// The same on AVX-512 without pair products: packing widens the weights to
+// fp32 and its 4-token tiles reread them from L2, so the rows tiles win up
+// to 8 tokens, but at 4 where rows of at most 16 fp16 or fp32 elements would
+// be widened or grouped per token (#rows-max-tokens-avx512).
+constexpr int64_t RowsMaxTokensAvx512Fma(int64_t k, WeightProducts p) {
+  return p == WeightProducts::kBf16Halves || k >= 32 ? 8 : 4;
+}
+static_assert(RowsMaxTokensAvx512Fma(kMaxPackK, WeightProducts::kFp32) <=
+              kRowsMaxTokens);
 
 // The rows tiles of 8 lanes over rows of at most 16 elements run two tiles a
 // step: there a tile's sums and store outweigh its products, and the second

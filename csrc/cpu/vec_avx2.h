@@ -36,8 +36,8 @@ struct VecAvx2 {
 
   // The rows-vs-pack rule of this ISA (tuning.h).
   static constexpr int64_t RowsMaxTokens(int64_t k, bool /*grouped*/,
-                                         int w_bytes) {
-    return RowsMaxTokensAvx2(k, w_bytes);
+                                         WeightProducts p) {
+    return RowsMaxTokensAvx2(k, p);
   }
 
   static F Zero() { return _mm256_setzero_ps(); }

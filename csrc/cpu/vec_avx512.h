@@ -38,10 +38,13 @@ struct VecAvx512 {
     return n >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((1u << n) - 1u);
   }
 
-  // The rows-vs-pack rule of this ISA (tuning.h).
+  // The rows-vs-pack rules of this ISA (tuning.h), with and without pair
+  // products.
   static constexpr int64_t RowsMaxTokens(int64_t k, bool grouped,
-                                         int /*w_bytes*/) {
-    return ::vllm_cpu_lora::RowsMaxTokens(k, grouped);
+                                         WeightProducts p) {
+    return p == WeightProducts::kBf16Pairs
+               ? ::vllm_cpu_lora::RowsMaxTokens(k, grouped)
+               : RowsMaxTokensAvx512Fma(k, p);
   }
 
   static F Zero() { return _mm512_setzero_ps(); }
@@ -183,6 +186,12 @@ struct VecAvx512 {
       return {_mm512_permutex2var_ps(a, even, b),
               _mm512_permutex2var_ps(a, odd, b)};
     }
+  }
+  // LoadSplit of the first n < 32 bf16 at p, the others zero (their memory
+  // is not touched).
+  static Split LoadSplitPartial(const c10::BFloat16* p, int n) {
+    const __m512i v = _mm512_maskz_loadu_epi16(Mask32(n), p);
+    return {Low(v, c10::BFloat16{}), High(v, c10::BFloat16{})};
   }
   // acc + the products of the halves of a and b.
   static F FmaSplit(const Split& a, const Split& b, F acc) {

@@ -37,8 +37,8 @@ struct VecNeon {
 
   // Not measured on Arm: AVX2's rule, the x86 path nearest in width.
   static constexpr int64_t RowsMaxTokens(int64_t k, bool /*grouped*/,
-                                         int w_bytes) {
-    return RowsMaxTokensAvx2(k, w_bytes);
+                                         WeightProducts p) {
+    return RowsMaxTokensAvx2(k, p);
   }
 
   static F Zero() { return vdupq_n_f32(0.0f); }

@@ -25,7 +25,7 @@ struct VecScalar {
 
   // The rows-vs-pack rule of this ISA (tuning.h): measured on AVX-512 only.
   static constexpr int64_t RowsMaxTokens(int64_t k, bool grouped,
-                                         int /*w_bytes*/) {
+                                         WeightProducts /*p*/) {
     return ::vllm_cpu_lora::RowsMaxTokens(k, grouped);
   }
 
