@@ -375,9 +375,8 @@ struct AmxKernel {
     int64_t bt_size = 0;
     const int64_t pair_rows = PairRows(a.k);
     const int64_t block_size = pair_rows * kNT;
-    std::unique_ptr<uint32_t[]> P;
+    PackedBlocks<uint32_t> P;
     std::unique_ptr<uint16_t[]> X;
-    int64_t packed_blocks = 0;
     alignas(64) float C[kTileRows * kNT];
     bool configured = false;
     bool used_tiles = false;
@@ -412,19 +411,17 @@ struct AmxKernel {
         used_tiles = true;
       }
       const int64_t blocks = (item.n1 - item.n0 + kNT - 1) / kNT;
-      if (blocks > packed_blocks) {
-        P.reset(new uint32_t[blocks * block_size]);
-        packed_blocks = blocks;
-      }
       auto block_cols = [&](int64_t b) {
         return static_cast<int>(
             std::min<int64_t>(kNT, item.n1 - item.n0 - b * kNT));
       };
       const int64_t* tok = a.tokens + g.token_begin;
       const c10::BFloat16* wa = w + g.adapter * a.w_adapter_stride;
-      for (int64_t b = 0; b < blocks; ++b) {
-        PackAll(wa + (item.n0 + b * kNT) * a.w_row_stride, a.w_row_stride, a.k,
-                block_cols(b), P.get() + b * block_size);
+      if (P.NeedsPacking(wa, item.n0, item.n1, blocks * block_size)) {
+        for (int64_t b = 0; b < blocks; ++b) {
+          PackAll(wa + (item.n0 + b * kNT) * a.w_row_stride, a.w_row_stride,
+                  a.k, block_cols(b), P.data() + b * block_size);
+        }
       }
       for (int64_t m = item.m0; m < item.m1; m += kTileRows) {
         const int mt =
@@ -442,7 +439,7 @@ struct AmxKernel {
         }
         for (int64_t b = 0; b < blocks; ++b) {
           Tiles(a, tok + m, mt, item.n0 + b * kNT, block_cols(b),
-                P.get() + b * block_size, A, a_stride, C);
+                P.data() + b * block_size, A, a_stride, C);
         }
       }
     }

@@ -9,6 +9,7 @@
 #include <c10/util/Half.h>
 
 #include <cstdint>
+#include <memory>
 #include <type_traits>
 
 #include "kernel_interface.h"
@@ -82,6 +83,35 @@ struct SplitVec {
 template <class V, class PV>
 struct SplitVec<V, true, PV> {
   using Type = typename V::Split;
+};
+
+// A work item's packed weight blocks, kept for the next item: a run of
+// items over the same adapter and columns (launch.cpp orders them so)
+// packs once.
+template <class T>
+class PackedBlocks {
+ public:
+  // Whether the caller must pack the blocks of columns [n0, n1) of the
+  // adapter weights w into data(): false where the buffer holds them
+  // already; else it is made `size` entries or more and taken to hold them.
+  bool NeedsPacking(const void* w, int64_t n0, int64_t n1, int64_t size) {
+    if (w == w_ && n0 == n0_ && n1 == n1_) return false;
+    if (size > size_) {
+      data_.reset(new T[size]);
+      size_ = size;
+    }
+    w_ = w;
+    n0_ = n0;
+    n1_ = n1;
+    return true;
+  }
+  T* data() const { return data_.get(); }
+
+ private:
+  std::unique_ptr<T[]> data_;
+  int64_t size_ = 0;
+  const void* w_ = nullptr;
+  int64_t n0_ = 0, n1_ = 0;
 };
 
 template <class V, class TX, class TW, class TO>

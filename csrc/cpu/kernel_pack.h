@@ -111,8 +111,9 @@ struct PackKernel : KernelTypes<V, TX, TW, TO> {
   static void Run(const LoraArgs& a, const WorkItem* items, int64_t begin,
                   int64_t end) {
     const int64_t rows = kPairs ? (a.k + 1) / 2 : a.k;
-    std::unique_ptr<PackT[]> xc, packed;
-    int64_t xc_tokens = 0, packed_blocks = 0;
+    std::unique_ptr<PackT[]> xc;
+    int64_t xc_tokens = 0;
+    PackedBlocks<PackT> packed;
     const TW* w = static_cast<const TW*>(a.w);
     for (int64_t it = begin; it < end; ++it) {
       const WorkItem& item = items[it];
@@ -132,23 +133,21 @@ struct PackKernel : KernelTypes<V, TX, TW, TO> {
                   group_lanes);
         continue;
       }
-      if (blocks > packed_blocks) {
-        packed.reset(new PackT[blocks * rows * kNT]);
-        packed_blocks = blocks;
-      }
       auto block_cols = [&](int64_t b) {
         return static_cast<int>(
             std::min<int64_t>(kNT, item.n1 - item.n0 - b * kNT));
       };
-      for (int64_t b = 0; b < blocks; ++b) {
-        Pack(wa + (item.n0 + b * kNT) * a.w_row_stride, a.w_row_stride, a.k,
-             block_cols(b), packed.get() + b * rows * kNT);
+      if (packed.NeedsPacking(wa, item.n0, item.n1, blocks * rows * kNT)) {
+        for (int64_t b = 0; b < blocks; ++b) {
+          Pack(wa + (item.n0 + b * kNT) * a.w_row_stride, a.w_row_stride, a.k,
+               block_cols(b), packed.data() + b * rows * kNT);
+        }
       }
       auto sweep = [&](auto tile_m, int64_t m) {
         constexpr int kMT = decltype(tile_m)::value;
         for (int64_t b = 0; b < blocks; ++b) {
           const int nc = block_cols(b);
-          const PackT* block = packed.get() + b * rows * kNT;
+          const PackT* block = packed.data() + b * rows * kNT;
           const int64_t n = item.n0 + b * kNT;
           if (nc == kNT) {
             PackTile<kMT, true>(a, block, xc.get() + m * rows, rows, tok + m, n,

@@ -166,10 +166,12 @@ void Run(const Product& p, c10::ArrayRef<Group> groups,
   const bool split_k = parallel && !pack && m_blocks < threads && !rounds_x;
   c10::SmallVector<WorkItem, 32> items;
   items.reserve(m_blocks * ((p.n + n_block - 1) / n_block));
+  // Token blocks innermost: consecutive items of a column block share its
+  // packed weights (PackedBlocks), and threads take runs of items.
   for (int64_t gi = 0; gi < static_cast<int64_t>(groups.size()); ++gi) {
     const int64_t count = groups[gi].token_count;
-    for (int64_t m = 0; m < count; m += kWorkItemTokens) {
-      for (int64_t n = 0; n < p.n; n += n_block) {
+    for (int64_t n = 0; n < p.n; n += n_block) {
+      for (int64_t m = 0; m < count; m += kWorkItemTokens) {
         items.push_back(WorkItem{gi, m, std::min(m + kWorkItemTokens, count), n,
                                  std::min(n + n_block, p.n)});
       }
