@@ -92,6 +92,9 @@ struct PackKernel : KernelTypes<V, TX, TW, TO> {
         }
       }
     }
+    // Unrolled: acc indexed by a variable would live in memory, stored
+    // to on every step of the loop above.
+#pragma GCC unroll 8
     for (int i = 0; i < MT; ++i) {
       StoreRow(a, out + tok[i] * a.out_row_stride + n, acc[i], nc);
     }
