@@ -55,7 +55,7 @@ enum class WeightProducts { kBf16Pairs, kBf16Halves, kWidened, kFp32 };
 // `grouped`: short contiguous rows, several to a vector.
 constexpr int kRowsMaxTokens = 8;
 constexpr int64_t RowsMaxTokens(int64_t k, bool grouped) {
-  if (grouped) return k <= 8 ? 8 : 4;
+  if (grouped) return k <= 8 ? 6 : 3;
   return k >= 128 ? 8 : k >= 64 ? 6 : k >= 32 ? 3 : 0;
 }
 static_assert(RowsMaxTokens(8, true) <= kRowsMaxTokens &&
@@ -71,12 +71,13 @@ constexpr int64_t RowsMaxTokensAvx2(int64_t k, WeightProducts p) {
 static_assert(RowsMaxTokensAvx2(kMaxPackK, WeightProducts::kFp32) <=
               kRowsMaxTokens);
 
-// The same on AVX-512 without pair products: packing widens the weights to
-// fp32 and its 4-token tiles reread them from L2, so the rows tiles win up
-// to 8 tokens, but at 4 where rows of at most 16 fp16 or fp32 elements would
-// be widened or grouped per token (#rows-max-tokens-avx512).
+// The same on AVX-512 without pair products: a token's sums in the rows
+// tiles weigh half as much beside fp32 FMAs (16 products each, not 32), so
+// the rows tiles win longer, up to 8 tokens from rank 16, 4 below; fp16 rows,
+// widened once per token there, stop at 6 and 2 (#rows-max-tokens-avx512).
 constexpr int64_t RowsMaxTokensAvx512Fma(int64_t k, WeightProducts p) {
-  return p == WeightProducts::kBf16Halves || k >= 32 ? 8 : 4;
+  if (p == WeightProducts::kWidened) return k >= 32 ? 6 : 2;
+  return k >= 16 ? 8 : 4;
 }
 static_assert(RowsMaxTokensAvx512Fma(kMaxPackK, WeightProducts::kFp32) <=
               kRowsMaxTokens);
