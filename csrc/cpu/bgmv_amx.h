@@ -365,8 +365,9 @@ struct AmxKernel {
   }
 
   // Per work item: pack all of its columns (PairRows(k) x 64 per block of 64
-  // columns), then per 16 tokens gather their inputs once and sweep along
-  // the columns, so output rows are written front to back.
+  // columns; kept for the next item of the same columns), then per 16
+  // tokens gather their inputs once and sweep along the columns, so output
+  // rows are written front to back.
   template <KernelFn kFallback, bool kPackStrategy>
   static void Run(const LoraArgs& a, const WorkItem* items, int64_t begin,
                   int64_t end) {

@@ -108,7 +108,8 @@ struct PackKernel : KernelTypes<V, TX, TW, TO> {
   }
 
   // Per work item: convert its tokens' inputs, pack all of its columns
-  // (one kNT-column block after another, rows * kNT entries each), then
+  // (one kNT-column block after another, rows * kNT entries each; kept for
+  // the next item of the same columns), then
   // sweep each token tile along the columns, so every output row is written
   // front to back (output traffic dominates a large expand).
   static void Run(const LoraArgs& a, const WorkItem* items, int64_t begin,
