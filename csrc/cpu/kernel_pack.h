@@ -109,9 +109,9 @@ struct PackKernel : KernelTypes<V, TX, TW, TO> {
 
   // Per work item: convert its tokens' inputs, pack all of its columns
   // (one kNT-column block after another, rows * kNT entries each; kept for
-  // the next item of the same columns), then
-  // sweep each token tile along the columns, so every output row is written
-  // front to back (output traffic dominates a large expand).
+  // the next item of the same columns), then sweep each token tile along
+  // the columns, so every output row is written front to back (output
+  // traffic dominates a large expand).
   static void Run(const LoraArgs& a, const WorkItem* items, int64_t begin,
                   int64_t end) {
     const int64_t rows = kPairs ? (a.k + 1) / 2 : a.k;
