@@ -622,6 +622,37 @@ def test_shrink_grid(op, dtypes, shape, isa):
     check(call, isa)
 
 
+# Shrink groups of at least kShrinkPackMinTokens tokens (csrc/cpu/tuning.h)
+# take the pack tiles where the products are bf16 pairs: one adapter with
+# -1 rows among its tokens ("mixed", with an odd hidden size: a half pair)
+# or none, and 72 ranks (a whole 64-column tile and a part of one).
+SHRINK_PACK_MIN_TOKENS = 128
+
+
+@pytest.mark.parametrize("pattern", ("same", "mixed"))
+@pytest.mark.parametrize("dtypes", SHRINK_FAST_COMBOS, ids=dtypes_id)
+@pytest.mark.parametrize("op", SHRINK_OPS)
+def test_shrink_large_groups(op, dtypes, pattern, isa):
+    gen = make_generator("shrink_large_groups", op, dtypes, pattern)
+    call = shrink_call(
+        op,
+        dtypes,
+        batch=600,
+        hidden=1025 if pattern == "mixed" else 1024,
+        rank=72,
+        loras=1,
+        pattern=pattern,
+        gen=gen,
+    )
+    if op == "bgmv_shrink":
+        on_adapter = int((call.args[3] == 0).sum())
+    else:
+        lengths, adapters = call.args[4], call.args[5]
+        on_adapter = int(lengths[adapters == 0].sum())
+    assert on_adapter >= SHRINK_PACK_MIN_TOKENS
+    check(call, isa)
+
+
 @pytest.mark.parametrize(
     "shape", EXPAND_SHAPES, ids=lambda s: "B{}-r{}-rows{}-Hout{}-L{}".format(*s)
 )

@@ -9,6 +9,7 @@
 #include <c10/util/Half.h>
 
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <type_traits>
 
@@ -61,8 +62,12 @@ void WithTypes(const LoraArgs& args, Fn&& fn) {
 // Rounds v to bf16 and returns its bits (c10 rounding: nearest even).
 template <class T>
 inline uint16_t Bf16Bits(T v) {
-  const c10::BFloat16 b(static_cast<float>(v));
-  return b.x;
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    return v.x;
+  } else {
+    const c10::BFloat16 b(static_cast<float>(v));
+    return b.x;
+  }
 }
 
 // The vector type of bf16 pairs where the policy has one (kPairs), else F.
@@ -151,6 +156,12 @@ struct KernelTypes {
     for (int64_t i = 0; i < count; ++i) {
       const TX* xr = x + tok[i] * a.x_row_stride;
       PackT* dst = xc + i * rows;
+      if constexpr (kPairs && std::is_same_v<TX, c10::BFloat16>) {
+        if (a.k % 2 == 0) {  // Already pairs, in memory order.
+          std::memcpy(dst, xr, a.k * sizeof(TX));
+          continue;
+        }
+      }
       for (int64_t j = 0; j < rows; ++j) {
         if constexpr (kPairs) {
           const uint32_t lo = Bf16Bits(xr[2 * j]);

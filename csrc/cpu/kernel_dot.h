@@ -1,5 +1,6 @@
 // The "dot" strategy (LoRA shrink: long k, few outputs): register tiles of
-// tokens x weight rows, dot products along k, one horizontal sum per output.
+// tokens x weight rows, dot products along k, one horizontal sum per output;
+// large groups take the pack tiles (kShrinkPackMinTokens).
 // Compiled once per ISA, inside its namespace (kernel_isa_namespace.h).
 #pragma once
 
@@ -9,6 +10,8 @@
 #include "kernel_common.h"
 #include "kernel_interface.h"
 #include "kernel_isa_namespace.h"
+#include "kernel_pack.h"
+#include "tuning.h"
 
 namespace vllm_cpu_lora::VLLM_CPU_LORA_ISA_NS {
 
@@ -21,6 +24,7 @@ struct DotKernel : KernelTypes<V, TX, TW, TO> {
   static constexpr auto kTN = Base::kTN;
   static constexpr auto kSplit = Base::kSplit;
   using typename Base::F;
+  using Pack = PackKernel<V, TX, TW, TO>;
 
   static void StoreScalar(const LoraArgs& a, TO* o, float v) {
     v *= a.scale;
@@ -113,8 +117,31 @@ struct DotKernel : KernelTypes<V, TX, TW, TO> {
     }
   }
 
+  // Whether an item goes to the pack tiles (kShrinkPackMinTokens).
+  static bool Packs(const LoraArgs& a, const WorkItem& item) {
+    return kPairs && a.groups[item.group].token_count >= kShrinkPackMinTokens &&
+           item.n1 - item.n0 >= Pack::kNT;
+  }
+
+  // Items of a group are consecutive: each run of items for the pack tiles
+  // goes to them at once, so its weights are packed once.
   static void Run(const LoraArgs& a, const WorkItem* items, int64_t begin,
                   int64_t end) {
+    for (int64_t it = begin; it < end;) {
+      const bool packs = Packs(a, items[it]);
+      int64_t run_end = it + 1;
+      while (run_end < end && Packs(a, items[run_end]) == packs) ++run_end;
+      if (packs) {
+        Pack::Run(a, items, it, run_end);
+      } else {
+        RunDots(a, items, it, run_end);
+      }
+      it = run_end;
+    }
+  }
+
+  static void RunDots(const LoraArgs& a, const WorkItem* items, int64_t begin,
+                      int64_t end) {
     const TW* w = static_cast<const TW*>(a.w);
     for (int64_t it = begin; it < end; ++it) {
       const WorkItem& item = items[it];

@@ -132,7 +132,10 @@ struct PackKernel : KernelTypes<V, TX, TW, TO> {
       ConvertInputs(a, tok, count, xc.get());
       const TW* wa = w + g.adapter * a.w_adapter_stride;
       const int group_lanes = Rows::RowGroupLanes(a);
-      if (count <= V::RowsMaxTokens(a.k, group_lanes > 0, Base::kProducts)) {
+      // The rows rules are an expand's (a.k a rank); large shrink groups
+      // come here for packing.
+      if (a.k <= kMaxPackK &&
+          count <= V::RowsMaxTokens(a.k, group_lanes > 0, Base::kProducts)) {
         Rows::Run(a, wa, xc.get(), rows, tok, count, item.n0, item.n1,
                   group_lanes);
         continue;

@@ -11,8 +11,16 @@ namespace vllm_cpu_lora {
 // Token counts no group reaches.
 constexpr int64_t kNever = int64_t{1} << 62;
 
-// Pack blocking keeps a whole block of weight rows in a stack buffer.
+// Products reducing over at most this many elements (expands: k is the
+// rank) with more outputs than that take the pack strategy.
 constexpr int64_t kMaxPackK = 256;
+
+// Shrink groups of at least this many tokens, with a pack tile's worth of
+// ranks, take the pack tiles too where the products are bf16 pairs: the dot
+// tiles stream eight long rows a step from L2, which packing the weights
+// once (about the dot tiles' time for 64 tokens) avoids
+// (#shrink-pack-min-tokens).
+constexpr int64_t kShrinkPackMinTokens = 128;
 
 // Parallelise above this many multiply-adds: thread start-up costs a few
 // microseconds that a smaller call would not win back (#parallel-macs).
