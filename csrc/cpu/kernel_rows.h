@@ -229,11 +229,19 @@ struct RowsKernel : KernelTypes<V, TX, TW, TO> {
           xr[i] = RepeatInputs<kG>(xc + i * rows);
       }
       int64_t n = n0;
-      if constexpr (kK > 0 && RowsTwoTiles(kL, kK)) {
+      if constexpr ((kG > 0 || kK > 0) && RowsTwoTiles(kL, kK, kG > 0)) {
+        // Token i's whole tile of rows [m, m + kL).
+        auto whole_tile = [&](int64_t m, int64_t i) {
+          if constexpr (kG > 0) {
+            return RowsGroupTile<kG>(wa, a.k, m, kL, xr[i]);
+          } else {
+            return RowsTileFixed<kK>(wa + m * kK, xc + i * rows);
+          }
+        };
         for (; n + 2 * kL <= n1; n += 2 * kL) {
           for (int64_t i = 0; i < count; ++i) {
-            const F r0 = RowsTileFixed<kK>(wa + n * kK, xc + i * rows);
-            const F r1 = RowsTileFixed<kK>(wa + (n + kL) * kK, xc + i * rows);
+            const F r0 = whole_tile(n, i);
+            const F r1 = whole_tile(n + kL, i);
             TO* o = out + tok[i] * a.out_row_stride + n;
             Base::StoreVec(a, o, r0, kL);
             Base::StoreVec(a, o + kL, r1, kL);

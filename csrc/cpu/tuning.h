@@ -90,11 +90,12 @@ constexpr int64_t RowsMaxTokensAvx512Fma(int64_t k, WeightProducts p) {
 static_assert(RowsMaxTokensAvx512Fma(kMaxPackK, WeightProducts::kFp32) <=
               kRowsMaxTokens);
 
-// The rows tiles of 8 lanes over rows of at most 16 elements run two tiles a
-// step: there a tile's sums and store outweigh its products, and the second
-// tile's loads and products overlap the first's (#rows-two-tiles).
-constexpr bool RowsTwoTiles(int lanes, int64_t k) {
-  return lanes == 8 && k <= 16;
+// Rows tiles over short rows run two tiles a step: there a tile's sums and
+// store outweigh its products, and the second tile's loads and products
+// overlap the first's (#rows-two-tiles). `grouped`: rows of 8 or 16
+// elements several to a vector (AVX-512); else whole rows of k elements.
+constexpr bool RowsTwoTiles(int lanes, int64_t k, bool grouped) {
+  return grouped || (lanes == 8 && k <= 16);
 }
 
 }  // namespace vllm_cpu_lora
