@@ -622,10 +622,11 @@ def test_shrink_grid(op, dtypes, shape, isa):
     check(call, isa)
 
 
-# Shrink groups of at least kShrinkPackMinTokens tokens (csrc/cpu/tuning.h)
-# take the pack tiles where the products are bf16 pairs: one adapter with
-# -1 rows among its tokens ("mixed", with an odd hidden size: a half pair)
-# or none, and 72 ranks (a whole 64-column tile and a part of one).
+# Shrink groups of at least 128 tokens and 64 ranks (ShrinkPacks,
+# csrc/cpu/tuning.h) take the pack tiles where the products are bf16 pairs:
+# one adapter with -1 rows among its tokens ("mixed", with an odd hidden
+# size: a half pair) or none, and 72 ranks (a whole 64-column tile and a
+# part of one).
 SHRINK_PACK_MIN_TOKENS = 128
 
 

@@ -1,6 +1,6 @@
 // The "dot" strategy (LoRA shrink: long k, few outputs): register tiles of
 // tokens x weight rows, dot products along k, one horizontal sum per output;
-// large groups take the pack tiles (kShrinkPackMinTokens).
+// large groups take the pack tiles (ShrinkPacks).
 // Compiled once per ISA, inside its namespace (kernel_isa_namespace.h).
 #pragma once
 
@@ -117,10 +117,10 @@ struct DotKernel : KernelTypes<V, TX, TW, TO> {
     }
   }
 
-  // Whether an item goes to the pack tiles (kShrinkPackMinTokens).
+  // Whether an item goes to the pack tiles (ShrinkPacks).
   static bool Packs(const LoraArgs& a, const WorkItem& item) {
-    return kPairs && a.groups[item.group].token_count >= kShrinkPackMinTokens &&
-           item.n1 - item.n0 >= Pack::kNT;
+    return kPairs &&
+           ShrinkPacks(a.groups[item.group].token_count, item.n1 - item.n0);
   }
 
   // Items of a group are consecutive: each run of items for the pack tiles

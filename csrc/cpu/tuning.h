@@ -15,12 +15,14 @@ constexpr int64_t kNever = int64_t{1} << 62;
 // rank) with more outputs than that take the pack strategy.
 constexpr int64_t kMaxPackK = 256;
 
-// Shrink groups of at least this many tokens, with a pack tile's worth of
-// ranks, take the pack tiles too where the products are bf16 pairs: the dot
-// tiles stream eight long rows a step from L2, which packing the weights
-// once (about the dot tiles' time for 64 tokens) avoids
-// (#shrink-pack-min-tokens).
-constexpr int64_t kShrinkPackMinTokens = 128;
+// Shrink groups of at least 128 tokens and 64 ranks take the pack tiles too
+// where the products are bf16 pairs: the dot tiles stream eight long rows a
+// step from L2, which packing the weights once (about the dot tiles' time
+// for 64 tokens) avoids; fewer ranks leave the pack tiles' broadcasts
+// serving too few products (#shrink-packs).
+constexpr bool ShrinkPacks(int64_t tokens, int64_t ranks) {
+  return tokens >= 128 && ranks >= 64;
+}
 
 // Parallelise above this many multiply-adds: thread start-up costs a few
 // microseconds that a smaller call would not win back (#parallel-macs).
