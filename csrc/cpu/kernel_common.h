@@ -123,7 +123,7 @@ template <class V, class TX, class TW, class TO>
 struct KernelTypes {
   using F = typename V::F;
   static constexpr int kL = V::kLanes;
-  static constexpr int kTM = V::kTileM;  // Tokens per register tile.
+  static constexpr int kTM = V::kTileM;  // Tokens per dot tile.
   static constexpr int kTN = V::kTileN;  // Weight rows per dot tile.
 
   // bf16 pair products (vdpbf16ps) instead of fp32 FMAs.

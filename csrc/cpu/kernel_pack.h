@@ -23,13 +23,13 @@ struct PackKernel : KernelTypes<V, TX, TW, TO> {
   using Base::ConvertInputs;
   static constexpr auto kL = Base::kL;
   static constexpr auto kPairs = Base::kPairs;
-  static constexpr auto kTM = Base::kTM;
+  static constexpr int kTM = V::kPackTileM;  // Tokens per pack tile.
   using Base::StoreVec;
   using typename Base::F;
   using typename Base::PackT;
   using Rows = RowsKernel<V, TX, TW, TO>;
-  static constexpr int kNV = 4;         // Vectors per pack tile row.
-  static constexpr int kNT = kNV * kL;  // Output columns per pack tile.
+  static constexpr int kNV = V::kPackVectors;  // Vectors per tile row.
+  static constexpr int kNT = kNV * kL;         // Output columns per pack tile.
 
   // P[j * kNT + c] = w[c][j] for c < nc (bf16 pairs: w[c][2j], w[c][2j+1]),
   // zero for nc <= c < nc rounded up to kL; later columns are never read.

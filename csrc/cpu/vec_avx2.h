@@ -23,6 +23,11 @@ struct VecAvx2 {
   static constexpr bool kBf16Dot = false;
   static constexpr int kTileM = 2;
   static constexpr int kTileN = 4;
+  // Pack tiles of 4 tokens x 3 vectors: 12 accumulators, 3 weight vectors
+  // and a broadcast fill the 16 registers, and 12 independent FMA chains
+  // hide the FMA latency, which 2 x 4 (8 chains) did not (#pack-tiles).
+  static constexpr int kPackTileM = 4;
+  static constexpr int kPackVectors = 3;
   static constexpr bool kGather = true;
   static constexpr bool kRowGroups = false;
   // bf16 weights split 16 at a time (LoadSplit): see there.

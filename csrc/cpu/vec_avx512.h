@@ -24,6 +24,9 @@ struct VecAvx512 {
   static constexpr bool kBf16Dot = kBf16;
   static constexpr int kTileM = 4;
   static constexpr int kTileN = 4;
+  // Pack tiles of 4 tokens x 4 vectors: 16 of the 32 registers accumulate.
+  static constexpr int kPackTileM = 4;
+  static constexpr int kPackVectors = 4;
   static constexpr bool kGather = true;
   static constexpr bool kRowGroups = true;
   // bf16 weights split 32 at a time (LoadSplit) where there are no pair

@@ -27,9 +27,12 @@ template <bool kBf16>
 struct VecNeon {
   static constexpr int kLanes = 4;
   static constexpr bool kBf16Dot = kBf16;
-  // 32 vector registers, as AVX-512: the same 4 x 4 accumulator tiles.
+  // 32 vector registers, as AVX-512: the same 4 x 4 accumulator tiles (dot
+  // and pack).
   static constexpr int kTileM = 4;
   static constexpr int kTileN = 4;
+  static constexpr int kPackTileM = 4;
+  static constexpr int kPackVectors = 4;
   static constexpr bool kGather = true;
   static constexpr bool kRowGroups = false;  // A 4-lane vector holds one row.
   static constexpr bool kSplitBf16 = false;

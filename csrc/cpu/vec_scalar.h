@@ -18,6 +18,8 @@ struct VecScalar {
   static constexpr bool kBf16Dot = false;
   static constexpr int kTileM = 2;
   static constexpr int kTileN = 2;
+  static constexpr int kPackTileM = 2;
+  static constexpr int kPackVectors = 4;
   static constexpr bool kGather = false;
   static constexpr bool kRowGroups = false;
   static constexpr bool kSplitBf16 = false;
