@@ -119,12 +119,23 @@ class PackedBlocks {
   int64_t n0_ = 0, n1_ = 0;
 };
 
+// The dot tile of policy V: its own shape for split bf16 operands, which
+// take two registers each.
+template <class V, bool kSplit>
+constexpr int DotTileM() {
+  if constexpr (kSplit) return V::kSplitTileM;
+  return V::kTileM;
+}
+template <class V, bool kSplit>
+constexpr int DotTileN() {
+  if constexpr (kSplit) return V::kSplitTileN;
+  return V::kTileN;
+}
+
 template <class V, class TX, class TW, class TO>
 struct KernelTypes {
   using F = typename V::F;
   static constexpr int kL = V::kLanes;
-  static constexpr int kTM = V::kTileM;  // Tokens per dot tile.
-  static constexpr int kTN = V::kTileN;  // Weight rows per dot tile.
 
   // bf16 pair products (vdpbf16ps) instead of fp32 FMAs.
   static constexpr bool kPairs =
@@ -137,6 +148,10 @@ struct KernelTypes {
   static constexpr bool kSplit =
       !kPairs && V::kSplitBf16 && std::is_same_v<TW, c10::BFloat16>;
   static constexpr int kSplitElems = 2 * kL;
+
+  // Tokens and weight rows per dot tile.
+  static constexpr int kTM = DotTileM<V, kSplit>();
+  static constexpr int kTN = DotTileN<V, kSplit>();
 
   static constexpr WeightProducts kProducts =
       kPairs                      ? WeightProducts::kBf16Pairs

@@ -152,10 +152,11 @@ struct DotKernel : KernelTypes<V, TX, TW, TO> {
       for (; m + kTM <= item.m1; m += kTM)
         DotBlock<kTM, kTN>(a, wa, tok + m, item.n0, item.n1);
       // Two tokens share each weight load (adapters with 2-3 tokens are
-      // common in decode batches).
+      // common in decode batches), over as many accumulators as the tile
+      // has in whole tiles of kTN rows.
       if constexpr (kTM > 2) {
         for (; m + 2 <= item.m1; m += 2)
-          DotBlock<2, 2 * kTN>(a, wa, tok + m, item.n0, item.n1);
+          DotBlock<2, kTM / 2 * kTN>(a, wa, tok + m, item.n0, item.n1);
       }
       for (; m < item.m1; ++m)
         DotBlock<1, 2 * kTN>(a, wa, tok + m, item.n0, item.n1);

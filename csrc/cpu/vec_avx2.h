@@ -21,8 +21,13 @@ namespace vllm_cpu_lora::VLLM_CPU_LORA_ISA_NS {
 struct VecAvx2 {
   static constexpr int kLanes = 8;
   static constexpr bool kBf16Dot = false;
-  static constexpr int kTileM = 2;
+  // Dot tiles of 3 tokens x 4 weight rows: 12 accumulators, 3 inputs and
+  // a weight vector fill the 16 registers; split bf16 operands take two
+  // registers each, so theirs are 2 x 4 (#dot-tiles).
+  static constexpr int kTileM = 3;
   static constexpr int kTileN = 4;
+  static constexpr int kSplitTileM = 2;
+  static constexpr int kSplitTileN = 4;
   // Pack tiles of 4 tokens x 3 vectors: 12 accumulators, 3 weight vectors
   // and a broadcast fill the 16 registers, and 12 independent FMA chains
   // hide the FMA latency, which 2 x 4 (8 chains) did not (#pack-tiles).

@@ -24,6 +24,8 @@ struct VecAvx512 {
   static constexpr bool kBf16Dot = kBf16;
   static constexpr int kTileM = 4;
   static constexpr int kTileN = 4;
+  static constexpr int kSplitTileM = 4;
+  static constexpr int kSplitTileN = 4;
   // Pack tiles of 4 tokens x 4 vectors: 16 of the 32 registers accumulate.
   static constexpr int kPackTileM = 4;
   static constexpr int kPackVectors = 4;
