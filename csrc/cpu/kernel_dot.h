@@ -32,10 +32,28 @@ struct DotKernel : KernelTypes<V, TX, TW, TO> {
     *o = static_cast<TO>(v);
   }
 
+  // The next token tile's input rows, prefetched into L2 while a tile runs
+  // along k: each pass over the weight rows fetches its share of them, so
+  // that they stream at an even rate; from the first pass alone they come
+  // too fast for DRAM (#dot-prefetch).
+  template <int MT>
+  struct NextInputs {
+    const TX* rows[MT] = {};  // nullptr: no next tile.
+    int64_t begin = 0;        // This pass's first element.
+    int64_t share_q16 = 0;    // The share of a pass, 16 fractional bits.
+  };
+  // Prefetches element begin + kk * share of each next row.
+  template <int MT>
+  static void Prefetch(const NextInputs<MT>& next, int64_t kk) {
+    if (next.rows[0] == nullptr) return;
+    const int64_t e = next.begin + ((kk * next.share_q16) >> 16);
+    for (int i = 0; i < MT; ++i) __builtin_prefetch(next.rows[i] + e, 0, 2);
+  }
+
   // res[i][j] = sum_k xr[i][k] * wr[j][k].
   template <int MT, int NR>
   static void DotTile(const TX* const* xr, const TW* const* wr, int64_t k,
-                      float (&res)[MT][NR]) {
+                      const NextInputs<MT>& next, float (&res)[MT][NR]) {
     F acc[MT][NR];
     for (int i = 0; i < MT; ++i)
       for (int j = 0; j < NR; ++j) acc[i][j] = V::Zero();
@@ -43,6 +61,7 @@ struct DotKernel : KernelTypes<V, TX, TW, TO> {
     if constexpr (kPairs) {
       constexpr int kS = V::kPairLanes;
       for (; kk + kS <= k; kk += kS) {
+        Prefetch(next, kk);
         typename V::BH xv[MT];
         for (int i = 0; i < MT; ++i) xv[i] = V::LoadPairs(xr[i] + kk);
         for (int j = 0; j < NR; ++j) {
@@ -63,6 +82,7 @@ struct DotKernel : KernelTypes<V, TX, TW, TO> {
       if constexpr (kSplit) {
         constexpr int kS = Base::kSplitElems;
         for (; kk + kS <= k; kk += kS) {
+          Prefetch(next, kk);
           typename V::Split xv[MT];
           for (int i = 0; i < MT; ++i) xv[i] = V::LoadSplit(xr[i] + kk);
           for (int j = 0; j < NR; ++j) {
@@ -73,6 +93,7 @@ struct DotKernel : KernelTypes<V, TX, TW, TO> {
         }
       }
       for (; kk + kL <= k; kk += kL) {
+        Prefetch(next, kk);
         F xv[MT];
         for (int i = 0; i < MT; ++i) xv[i] = V::Load(xr[i] + kk);
         for (int j = 0; j < NR; ++j) {
@@ -94,22 +115,33 @@ struct DotKernel : KernelTypes<V, TX, TW, TO> {
       for (int j = 0; j < NR; ++j) res[i][j] = V::Reduce(acc[i][j]);
   }
 
-  // Tokens tok[0..MT) against weight rows [n0, n1) of one adapter.
+  // Tokens tok[0..MT) against weight rows [n0, n1) of one adapter; the
+  // inputs of tokens next_tok[0..MT) (if not nullptr) are prefetched
+  // meanwhile.
   template <int MT, int NR>
   static void DotBlock(const LoraArgs& a, const TW* wa, const int64_t* tok,
-                       int64_t n0, int64_t n1) {
+                       int64_t n0, int64_t n1,
+                       const int64_t* next_tok = nullptr) {
     const TX* x = static_cast<const TX*>(a.x);
     TO* out = static_cast<TO*>(a.out);
     const TX* xr[MT];
     for (int i = 0; i < MT; ++i) xr[i] = x + tok[i] * a.x_row_stride;
+    NextInputs<MT> next;
+    if (next_tok != nullptr) {
+      for (int i = 0; i < MT; ++i)
+        next.rows[i] = x + next_tok[i] * a.x_row_stride;
+    }
+    const int64_t passes = (n1 - n0 + NR - 1) / NR;
+    next.share_q16 = (int64_t{1} << 16) / passes;
     for (int64_t n = n0; n < n1; n += NR) {
+      next.begin = (n - n0) / NR * a.k / passes;
       const int nr = static_cast<int>(std::min<int64_t>(NR, n1 - n));
       // Rows past the end repeat the last valid one; their sums are dropped.
       const TW* wr[NR];
       for (int j = 0; j < NR; ++j)
         wr[j] = wa + (n + std::min(j, nr - 1)) * a.w_row_stride;
       float res[MT][NR];
-      DotTile<MT, NR>(xr, wr, a.k, res);
+      DotTile<MT, NR>(xr, wr, a.k, next, res);
       for (int i = 0; i < MT; ++i) {
         TO* o = out + tok[i] * a.out_row_stride + n;
         for (int j = 0; j < nr; ++j) StoreScalar(a, o + j, res[i][j]);
@@ -149,8 +181,11 @@ struct DotKernel : KernelTypes<V, TX, TW, TO> {
       const int64_t* tok = a.tokens + g.token_begin;
       const TW* wa = w + g.adapter * a.w_adapter_stride;
       int64_t m = item.m0;
-      for (; m + kTM <= item.m1; m += kTM)
-        DotBlock<kTM, kTN>(a, wa, tok + m, item.n0, item.n1);
+      for (; m + kTM <= item.m1; m += kTM) {
+        const bool next = m + 2 * kTM <= item.m1;
+        DotBlock<kTM, kTN>(a, wa, tok + m, item.n0, item.n1,
+                           next ? tok + m + kTM : nullptr);
+      }
       // Two tokens share each weight load (adapters with 2-3 tokens are
       // common in decode batches), over as many accumulators as the tile
       // has in whole tiles of kTN rows.
