@@ -276,7 +276,6 @@ def run_cases(
 ) -> tuple[list[dict[str, Any]], list[str]]:
     """Checks and times every case with the current torch thread count."""
     threads = torch.get_num_threads()
-    peak, peak_name = limits.peak_for(isa_path)
     bf16_peak, bf16_peak_name = limits.bf16_peak(isa_path)
     results, failures = [], []
     for i, case in enumerate(common.progress(cases, f"{threads} thread(s)")):
@@ -293,6 +292,7 @@ def run_cases(
         med = {name: timed[name]["median_s"] for name in IMPLS}
         bandwidth, level = limits.bandwidth_for(prep.bytes)
         mem_s = prep.bytes / bandwidth
+        peak, peak_name = limits.peak_for(isa_path, case.dtype == "bf16")
         flop_s = prep.flops / peak
         bound = max(mem_s, flop_s)
         result = {

@@ -171,7 +171,8 @@ def _peaks_line(run: Run) -> str:
     widened = " (bf16 widened to fp32)" if bf16 == "fp32 FMA" else ""
     return (
         f"- On this run's ISA path `{isa}` the compute peak of the bound is "
-        f"the {bound} peak; 'of bf16 peak' uses the {bf16} peak{widened}. "
+        f"the {bound} peak (fp32 cases: fp32 FMA); 'of bf16 peak' uses the "
+        f"{bf16} peak{widened}. "
         f"Micro-kernels: {lim.isa or 'none (no AVX2 or AVX-512)'}."
     )
 
@@ -230,7 +231,8 @@ def markdown_lines(
         "count of the run, peak being the largest of the peaks the ISA path "
         "can use (AMX: the vdpbf16ps, fp32 FMA and AMX peaks; AVX512-BF16: "
         "vdpbf16ps and fp32 FMA; AVX-512, AVX2: fp32 FMA, bf16 being "
-        "widened). Bytes: the weights of the adapters in use, "
+        "widened); fp32 cases the fp32 FMA peak only, which alone "
+        "multiplies fp32 exactly. Bytes: the weights of the adapters in use, "
         "the inputs, the output (read and written for expand). **Bandwidth "
         "is in-cache**: the weights are hot (decode reuses them every step), "
         "so a case whose bytes fit in 3/4 of the threads' L2 uses the L2 "

@@ -260,17 +260,22 @@ class Limits:
             return self.l3_read, "L3"
         return self.dram_read, "DRAM"
 
-    def peak_for(self, isa_path: str) -> tuple[float, str]:
+    def peak_for(
+        self, isa_path: str, bf16_weights: bool = True
+    ) -> tuple[float, str]:
         """The compute peak that bounds a kernel on vllm_cpu_lora's path.
 
-        The largest of the peaks of the instructions the path can use (any
-        of them can do the work: bf16 widens exactly to fp32); an unknown
-        path may use any.
+        The largest of the peaks of the instructions the path can use for
+        the weights: with bf16 weights any of them (bf16 widens exactly to
+        fp32); with fp32 weights only fp32 FMA, since vdpbf16ps and AMX
+        would round them to bf16. An unknown path may use any.
 
         Returns:
             The peak (flop/s; NaN if none was measured) and its name.
         """
         attrs = _PATH_PEAKS.get(isa_path, tuple(_PEAK_NAMES))
+        if not bf16_weights:
+            attrs = tuple(a for a in attrs if a == "fp32_fma_peak")
         peaks = [
             (getattr(self, a), a)
             for a in attrs
