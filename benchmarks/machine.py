@@ -273,9 +273,11 @@ class Limits:
         Returns:
             The peak (flop/s; NaN if none was measured) and its name.
         """
-        attrs = _PATH_PEAKS.get(isa_path, tuple(_PEAK_NAMES))
-        if not bf16_weights:
-            attrs = tuple(a for a in attrs if a == "fp32_fma_peak")
+        attrs = (
+            _PATH_PEAKS.get(isa_path, tuple(_PEAK_NAMES))
+            if bf16_weights
+            else ("fp32_fma_peak",)
+        )
         peaks = [
             (getattr(self, a), a)
             for a in attrs

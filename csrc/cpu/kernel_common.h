@@ -119,18 +119,16 @@ class PackedBlocks {
   int64_t n0_ = 0, n1_ = 0;
 };
 
-// The dot tile of policy V: its own shape for split bf16 operands, which
-// take two registers each.
+// The dot tile (tokens kM x weight rows kN) of policy V: its own shape for
+// split bf16 operands, which take two registers each.
 template <class V, bool kSplit>
-constexpr int DotTileM() {
-  if constexpr (kSplit) return V::kSplitTileM;
-  return V::kTileM;
-}
-template <class V, bool kSplit>
-constexpr int DotTileN() {
-  if constexpr (kSplit) return V::kSplitTileN;
-  return V::kTileN;
-}
+struct DotTileShape {
+  static constexpr int kM = V::kTileM, kN = V::kTileN;
+};
+template <class V>
+struct DotTileShape<V, true> {
+  static constexpr int kM = V::kSplitTileM, kN = V::kSplitTileN;
+};
 
 template <class V, class TX, class TW, class TO>
 struct KernelTypes {
@@ -150,8 +148,8 @@ struct KernelTypes {
   static constexpr int kSplitElems = 2 * kL;
 
   // Tokens and weight rows per dot tile.
-  static constexpr int kTM = DotTileM<V, kSplit>();
-  static constexpr int kTN = DotTileN<V, kSplit>();
+  static constexpr int kTM = DotTileShape<V, kSplit>::kM;
+  static constexpr int kTN = DotTileShape<V, kSplit>::kN;
 
   static constexpr WeightProducts kProducts =
       kPairs                      ? WeightProducts::kBf16Pairs
