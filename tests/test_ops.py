@@ -820,7 +820,8 @@ def test_exact_integers(op, dtypes, isa):
 
 # The "rows" tiles of expand (few tokens per adapter, weight rows read in
 # place): ranks 4 and 8 (fp32) / 8 and 16 (bf16 pairs) put several rows in one
-# vector, 32-256 take the fixed-rank tiles, 33 the generic ones; up to
+# vector on AVX-512, ranks 4 (fp32) and 8 (bf16) on AVX2, 32-256 take the
+# fixed-rank tiles, 33 the generic ones; up to
 # tuning.h's RowsMaxTokens and RowsMaxTokensAvx2 tokens per adapter, and
 # one more.
 ROWS_RANKS = (4, 8, 16, 32, 33, 64, 128, 256)

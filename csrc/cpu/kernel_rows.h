@@ -149,15 +149,15 @@ struct RowsKernel : KernelTypes<V, TX, TW, TO> {
 
   // Lanes per weight row when several short rows share a vector (G of the
   // kL lanes each: bf16 pairs or halves, or fp32 elements), 0 where that
-  // does not apply: the rows must be contiguous and G in {4, 8}
-  // (V::SumGroups).
+  // does not apply: the rows must be contiguous and G in {4, 8}, less than
+  // kL (V::SumGroups).
   static int RowGroupLanes(const LoraArgs& a) {
     if constexpr (!V::kRowGroups) {
       return 0;
     } else {
       constexpr bool kHalves = kPairs || kSplit;
       const int64_t lanes = kHalves ? a.k / 2 : a.k;
-      const bool fits = (lanes == 4 || lanes == 8) &&
+      const bool fits = (lanes == 4 || lanes == 8) && lanes < kL &&
                         (!kHalves || a.k % 2 == 0) && a.w_row_stride == a.k;
       return fits ? static_cast<int>(lanes) : 0;
     }
@@ -268,12 +268,16 @@ struct RowsKernel : KernelTypes<V, TX, TW, TO> {
     using kNone = integral_constant<int, 0>;
     if constexpr (V::kRowGroups) {
       if (group_lanes == 4) return sweep(integral_constant<int, 4>{}, kNone{});
-      if (group_lanes == 8) return sweep(integral_constant<int, 8>{}, kNone{});
+      if constexpr (kL > 8) {
+        if (group_lanes == 8) {
+          return sweep(integral_constant<int, 8>{}, kNone{});
+        }
+      }
     }
     if (a.w_row_stride == a.k) {
       switch (a.k) {
-        case 8:  // Without row groups (AVX2), short rows too.
-          if constexpr (!V::kRowGroups && kL <= 8) {
+        case 8:  // Ungrouped where 8 elements fill a vector or more.
+          if constexpr (kL <= 8) {
             return sweep(kNone{}, integral_constant<int, 8>{});
           }
           break;

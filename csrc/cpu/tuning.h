@@ -73,12 +73,15 @@ static_assert(RowsMaxTokens(8, true) <= kRowsMaxTokens &&
 
 // The same on AVX2: 8 fp32 lanes and no pair products, so a vector holds
 // fewer elements of a row and packing transposes cost more per output; 16-bit
-// weights are widened once per token in the rows tiles (#rows-max-tokens-avx2).
-constexpr int64_t RowsMaxTokensAvx2(int64_t k, WeightProducts p) {
+// weights are widened once per token in the rows tiles, except rows of 8 bf16
+// two to a vector (`grouped`), whose sums take half the shuffles
+// (#rows-max-tokens-avx2).
+constexpr int64_t RowsMaxTokensAvx2(int64_t k, bool grouped, WeightProducts p) {
   if (p == WeightProducts::kFp32) return 8;
+  if (grouped) return 4;
   return k >= 64 ? 8 : k >= 16 ? 4 : 2;
 }
-static_assert(RowsMaxTokensAvx2(kMaxPackK, WeightProducts::kFp32) <=
+static_assert(RowsMaxTokensAvx2(kMaxPackK, false, WeightProducts::kFp32) <=
               kRowsMaxTokens);
 
 // The same on AVX-512 without pair products: a token's sums in the rows

@@ -34,7 +34,8 @@ struct VecAvx2 {
   static constexpr int kPackTileM = 4;
   static constexpr int kPackVectors = 3;
   static constexpr bool kGather = true;
-  static constexpr bool kRowGroups = false;
+  // Rows of 8 bf16 elements two to a vector (#rows-groups-avx2).
+  static constexpr bool kRowGroups = true;
   // bf16 weights split 16 at a time (LoadSplit): see there.
   static constexpr bool kSplitBf16 = true;
   using F = __m256;
@@ -45,9 +46,9 @@ struct VecAvx2 {
   }
 
   // The rows-vs-pack rule of this ISA (tuning.h).
-  static constexpr int64_t RowsMaxTokens(int64_t k, bool /*grouped*/,
+  static constexpr int64_t RowsMaxTokens(int64_t k, bool grouped,
                                          WeightProducts p) {
-    return RowsMaxTokensAvx2(k, p);
+    return RowsMaxTokensAvx2(k, grouped, p);
   }
 
   static F Zero() { return _mm256_setzero_ps(); }
@@ -78,6 +79,33 @@ struct VecAvx2 {
     }
     return _mm256_add_ps(_mm256_permute2f128_ps(d[0], d[1], 0x20),
                          _mm256_permute2f128_ps(d[0], d[1], 0x31));
+  }
+
+  // Lane i of the result = the sum of lane group i % 2 of acc[i / 2],
+  // groups being G = 4 adjacent lanes: the first stages of SumLanes' tree,
+  // then one permutation into row order.
+  template <int G>
+  static F SumGroups(const F (&acc)[G]) {
+    static_assert(G == 4, "a group of 8 lanes is a whole vector: SumLanes");
+    F c[2];
+    for (int i = 0; i < 2; ++i) {
+      c[i] = _mm256_add_ps(_mm256_unpacklo_ps(acc[2 * i], acc[2 * i + 1]),
+                           _mm256_unpackhi_ps(acc[2 * i], acc[2 * i + 1]));
+    }
+    const __m256d lo = _mm256_castps_pd(c[0]);
+    const __m256d hi = _mm256_castps_pd(c[1]);
+    // Lane l holds row 2l (l < 4) or 2(l - 4) + 1.
+    const F d = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(lo, hi)),
+                              _mm256_castpd_ps(_mm256_unpackhi_pd(lo, hi)));
+    return _mm256_permutevar8x32_ps(d,
+                                    _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  }
+
+  // p[0..G) repeated over the 8 lanes, G = 4.
+  template <int G>
+  static F Repeat(const float* p) {
+    static_assert(G == 4);
+    return _mm256_broadcast_ps(reinterpret_cast<const __m128*>(p));
   }
 
   static F Widen(__m128i h, c10::BFloat16) {
@@ -124,6 +152,12 @@ struct VecAvx2 {
       return {InOrder(_mm256_shuffle_ps(a, b, 0x88)),
               InOrder(_mm256_shuffle_ps(a, b, 0xdd))};
     }
+  }
+  // LoadSplit of the first n < 16 elements.
+  static Split LoadSplitPartial(const c10::BFloat16* p, int n) {
+    alignas(32) c10::BFloat16 buf[2 * kLanes] = {};
+    std::memcpy(buf, p, n * sizeof(*p));
+    return LoadSplit(buf);
   }
   // shuffle_ps picks within 128-bit halves: this puts its four 64-bit
   // pieces back in element order.

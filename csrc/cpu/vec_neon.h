@@ -39,9 +39,9 @@ struct VecNeon {
   using F = float32x4_t;
 
   // Not measured on Arm: AVX2's rule, the x86 path nearest in width.
-  static constexpr int64_t RowsMaxTokens(int64_t k, bool /*grouped*/,
+  static constexpr int64_t RowsMaxTokens(int64_t k, bool grouped,
                                          WeightProducts p) {
-    return RowsMaxTokensAvx2(k, p);
+    return RowsMaxTokensAvx2(k, grouped, p);
   }
 
   static F Zero() { return vdupq_n_f32(0.0f); }
