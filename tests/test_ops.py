@@ -821,10 +821,11 @@ def test_exact_integers(op, dtypes, isa):
 # The "rows" tiles of expand (few tokens per adapter, weight rows read in
 # place): ranks 4 and 8 (fp32) / 8 and 16 (bf16 pairs) put several rows in one
 # vector on AVX-512, ranks 4 (fp32) and 8 (bf16) on AVX2, 32-256 take the
-# fixed-rank tiles, 33 the generic ones; up to
+# fixed-rank tiles, 33 the generic ones, and ranks 1 and 2 (rows shorter than
+# a vector) always pack; up to
 # tuning.h's RowsMaxTokens and RowsMaxTokensAvx2 tokens per adapter, and
 # one more.
-ROWS_RANKS = (4, 8, 16, 32, 33, 64, 128, 256)
+ROWS_RANKS = (1, 2, 4, 8, 16, 32, 33, 64, 128, 256)
 ROWS_TOKENS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
 ROWS_WIDTHS = (1003, 297, 16, 40, 1, 77, 8, 130, 530)
 

@@ -75,8 +75,10 @@ static_assert(RowsMaxTokens(8, true) <= kRowsMaxTokens &&
 // fewer elements of a row and packing transposes cost more per output; 16-bit
 // weights are widened once per token in the rows tiles, except rows of 8 bf16
 // two to a vector (`grouped`), whose sums take half the shuffles
-// (#rows-max-tokens-avx2).
+// (#rows-max-tokens-avx2). Ungrouped rows shorter than a vector always pack:
+// a rows tile would load each in parts (#short-rows).
 constexpr int64_t RowsMaxTokensAvx2(int64_t k, bool grouped, WeightProducts p) {
+  if (!grouped && k < 8) return 0;
   if (p == WeightProducts::kFp32) return 8;
   if (grouped) return 4;
   return k >= 64 ? 8 : k >= 16 ? 4 : 2;
@@ -87,12 +89,15 @@ static_assert(RowsMaxTokensAvx2(kMaxPackK, false, WeightProducts::kFp32) <=
 // The same on AVX-512 without pair products: a token's sums in the rows
 // tiles weigh half as much beside fp32 FMAs (16 products each, not 32), so
 // the rows tiles win longer, up to 8 tokens from rank 16, 4 below; fp16 rows,
-// widened once per token there, stop at 6 and 2 (#rows-max-tokens-avx512).
-constexpr int64_t RowsMaxTokensAvx512Fma(int64_t k, WeightProducts p) {
+// widened once per token there, stop at 6 and 2 (#rows-max-tokens-avx512);
+// ungrouped rows shorter than a vector always pack (#short-rows).
+constexpr int64_t RowsMaxTokensAvx512Fma(int64_t k, bool grouped,
+                                         WeightProducts p) {
+  if (!grouped && k < 16) return 0;
   if (p == WeightProducts::kWidened) return k >= 32 ? 6 : 2;
   return k >= 16 ? 8 : 4;
 }
-static_assert(RowsMaxTokensAvx512Fma(kMaxPackK, WeightProducts::kFp32) <=
+static_assert(RowsMaxTokensAvx512Fma(kMaxPackK, false, WeightProducts::kFp32) <=
               kRowsMaxTokens);
 
 // Rows tiles over short rows run two tiles a step: there a tile's sums and

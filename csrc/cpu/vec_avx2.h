@@ -226,6 +226,9 @@ struct VecAvx2 {
   static int PackColumns(const TW* w, int64_t row_stride, int64_t k, int nc,
                          int nt, float* P) {
     static_assert(!kPairs, "AVX2 has no bf16 pair products");
+    // 16-bit rows shorter than a vector: the caller's scalar copy beats
+    // loading each in parts through a buffer (#short-rows).
+    if (sizeof(TW) == 2 && k < kLanes) return 0;
     for (int c0 = 0; c0 < nc; c0 += kLanes) {
       for (int64_t j0 = 0; j0 < k; j0 += kLanes) {
         const int count = static_cast<int>(std::min<int64_t>(kLanes, k - j0));

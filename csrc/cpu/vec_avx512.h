@@ -49,7 +49,7 @@ struct VecAvx512 {
                                          WeightProducts p) {
     return p == WeightProducts::kBf16Pairs
                ? ::vllm_cpu_lora::RowsMaxTokens(k, grouped)
-               : RowsMaxTokensAvx512Fma(k, p);
+               : RowsMaxTokensAvx512Fma(k, grouped, p);
   }
 
   static F Zero() { return _mm512_setzero_ps(); }
