@@ -78,6 +78,7 @@ class Case:
         return (
             self.dtype == "bf16"
             and not self.shared
+            and self.rank in _RANKS
             and self.hout in (0, *HOUTS)
         )
 
@@ -114,7 +115,11 @@ def build_cases(quick: bool) -> list[Case]:
     if quick:
         return cases
     # Beyond the targets' grid: every token on one adapter, fp32 throughout,
-    # and Llama-3-8B's widths (k/v 1024, MLP 14336; its hidden size is 4096).
+    # Llama-3-8B's widths (k/v 1024, MLP 14336; its hidden size is 4096),
+    # and rank 1, the smallest max_lora_rank vLLM allows.
+    for b in (1, 8, 256):
+        cases.append(Case("bgmv_shrink", b, 4, 1))
+        cases.append(Case("bgmv_expand", b, 4, 1, 4096))
     for b in (1, 32, 256):
         cases.append(Case("bgmv_shrink", b, 16, 16, shared=True))
         cases.append(Case("bgmv_expand", b, 16, 16, 11008, shared=True))

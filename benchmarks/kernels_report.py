@@ -261,8 +261,9 @@ def markdown_lines(
         "## Summary (geomeans over cases)",
         "",
         "Over the targets' grid only (bf16, a random adapter per token, "
-        "Hout 4096 / 11008); the cases marked `shared` (every token on one "
-        "adapter), `fp32` and N1024 / N14336 (Llama-3-8B) are in the table "
+        "ranks 8 / 16 / 64, Hout 4096 / 11008); the cases marked `shared` "
+        "(every token on one adapter), `fp32`, N1024 / N14336 (Llama-3-8B) "
+        "and rank 1 (vLLM's smallest `max_lora_rank`) are in the table "
         "above, not in these figures.",
         "",
         *report.summary_table(summary),
