@@ -34,7 +34,8 @@ struct VecAvx2 {
   static constexpr int kPackTileM = 4;
   static constexpr int kPackVectors = 3;
   static constexpr bool kGather = true;
-  // Rows of 8 bf16 elements two to a vector (#rows-groups-avx2).
+  // Rows of 8 bf16 (or 4 fp32, fp16) elements two to a vector
+  // (#rows-groups-avx2).
   static constexpr bool kRowGroups = true;
   // bf16 weights split 16 at a time (LoadSplit): see there.
   static constexpr bool kSplitBf16 = true;
