@@ -17,6 +17,7 @@ Needs CPU vLLM, transformers and peft (scripts/test_vllm.sh); skipped
 without them.
 """
 
+import concurrent.futures
 import json
 import shutil
 import threading
@@ -38,6 +39,11 @@ MAX_TOKENS = 8
 # loaded machine.
 MAX_MODEL_LEN = tiny_model.MAX_POSITIONS
 IN_FLIGHT_TOKENS = MAX_MODEL_LEN - 32  # room for the prompt
+# One completion of this many prompts: its engine requests are added
+# together. Four separate completions were, on a loaded 2-core machine, added
+# seconds apart (decoding starves the API server), so the first could end
+# before the last began.
+IN_FLIGHT_PROMPTS = 4
 
 
 class KnownVllmBugError(AssertionError):
@@ -249,33 +255,39 @@ def test_loading_a_name_twice_is_400(served):
     _assert_still_serving(served)
 
 
-def _wait_until_in_flight(srv, count: int, timeout_s: float = 60.0) -> None:
-    """Returns once the engine holds `count` requests, running or waiting
-    (its Prometheus gauges): the API server has then resolved their adapter,
-    so the unload below meets them in flight however fast they decode."""
-    deadline = time.monotonic() + timeout_s
-    most = {"running": 0.0, "waiting": 0.0}
-    while time.monotonic() < deadline:
-        _, text = srv.request("GET", "/metrics")
-        now = {
-            state: sum(
-                float(line.rsplit(" ", 1)[1])
-                for line in text.splitlines()
-                # The gauge itself, not its _by_reason relatives.
-                if line.split("{", 1)[0] == f"vllm:num_requests_{state}"
-            )
-            for state in most
-        }
-        most = {state: max(most[state], now[state]) for state in most}
-        if sum(now.values()) >= count:
-            return
-        # Not faster: on 2 cores, rendering /metrics back to back starves
-        # the engine, which then never held the 4 requests at once.
-        time.sleep(0.1)
-    raise AssertionError(
-        f"{count} requests were never in the engine at once (most seen: "
-        f"{most['running']:g} running, {most['waiting']:g} waiting)"
-    )
+def _stream_in_flight(srv, model, all_running: threading.Event):
+    """Per prompt of a greedy streamed completion of IN_FLIGHT_PROMPTS:
+    (prompt ids, token ids) and when its last token arrived. Sets
+    `all_running` once every prompt has a token, that is once its engine
+    request runs with the adapter, or when the stream stops."""
+    tokens: dict[int, list[int]] = {}
+    prompt_ids: dict[int, list[int]] = {}
+    finished_at: dict[int, float] = {}
+    try:
+        for event in srv.stream(
+            "/v1/completions",
+            {
+                "model": model,
+                "prompt": [PROMPT] * IN_FLIGHT_PROMPTS,
+                "max_tokens": IN_FLIGHT_TOKENS,
+                "temperature": 0.0,
+                "ignore_eos": True,
+                "return_token_ids": True,
+            },
+        ):
+            assert "choices" in event, event
+            for choice in event["choices"]:
+                i = choice["index"]
+                if choice.get("prompt_token_ids") is not None:
+                    prompt_ids[i] = choice["prompt_token_ids"]
+                tokens.setdefault(i, []).extend(choice["token_ids"])
+                if choice["finish_reason"] is not None:
+                    finished_at[i] = time.monotonic()
+            if len(tokens) == IN_FLIGHT_PROMPTS:
+                all_running.set()
+    finally:
+        all_running.set()
+    return {i: ((prompt_ids[i], tokens[i]), finished_at[i]) for i in tokens}
 
 
 def test_unloading_with_requests_in_flight(served):
@@ -283,37 +295,32 @@ def test_unloading_with_requests_in_flight(served):
     requests already running finish with the adapter, new ones get 404."""
     srv, base, paths, _ = served
     assert _load(srv, "in-flight", paths["good"])[0] == 200
-    results = []
-    finished = []
-
-    def send():
-        results.append(_complete(srv, "in-flight", IN_FLIGHT_TOKENS))
-        finished.append(time.monotonic())
-
-    threads = [threading.Thread(target=send) for _ in range(4)]
-    started_at = time.monotonic()
-    for thread in threads:
-        thread.start()
-    _wait_until_in_flight(srv, len(threads))
-    running_at = time.monotonic()
-    unload = _api(srv, "unload", {"lora_name": "in-flight"})
-    unloaded_at = time.monotonic()
-    after = _complete(srv, "in-flight")
-    for thread in threads:
-        thread.join()
+    all_running = threading.Event()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        streamed = pool.submit(_stream_in_flight, srv, "in-flight", all_running)
+        started_at = time.monotonic()
+        all_running.wait()
+        running_at = time.monotonic()
+        unload = _api(srv, "unload", {"lora_name": "in-flight"})
+        unloaded_at = time.monotonic()
+        after = _complete(srv, "in-flight")
+        outputs = streamed.result()
 
     assert unload[0] == 200, unload
-    assert min(finished) > unloaded_at, (
-        "the requests ended before the unload: seen in flight after "
+    assert sorted(outputs) == list(range(IN_FLIGHT_PROMPTS))
+    first_done = min(done for _, done in outputs.values())
+    assert first_done > unloaded_at, (
+        "the requests ended before the unload: all running after "
         f"{running_at - started_at:.3f} s, unloaded after "
         f"{unloaded_at - started_at:.3f} s, first done after "
-        f"{min(finished) - started_at:.3f} s"
+        f"{first_done - started_at:.3f} s"
     )
     assert after[0] == 404
     assert "The model `in-flight` does not exist." in after[1]
-    assert [status for status, _ in results] == [200] * 4
+    results = [result for result, _ in outputs.values()]
     assert all(r == results[0] for r in results)
-    _assert_greedy(base, {"good": paths["good"]}, [("good", results[0][1])])
+    assert len(results[0][1]) == IN_FLIGHT_TOKENS
+    _assert_greedy(base, {"good": paths["good"]}, [("good", results[0])])
     second = _api(srv, "unload", {"lora_name": "in-flight"})
     assert second == (404, "The lora adapter 'in-flight' cannot be found.")
     _assert_still_serving(served)

@@ -17,7 +17,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -188,19 +188,35 @@ class VllmServer:
     def log_tail(self, chars: int = 6000) -> str:
         return self.log_text()[-chars:]
 
-    def request(
-        self, method: str, path: str, body: dict[str, Any] | None = None
-    ) -> tuple[int, str]:
-        """(HTTP status, response text) of a request to the server."""
+    def _request(
+        self, method: str, path: str, body: dict[str, Any] | None
+    ) -> urllib.request.Request:
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(
+        return urllib.request.Request(
             self.base_url + path,
             data=data,
             method=method,
             headers={"Content-Type": "application/json"},
         )
+
+    def request(
+        self, method: str, path: str, body: dict[str, Any] | None = None
+    ) -> tuple[int, str]:
+        """(HTTP status, response text) of a request to the server."""
+        req = self._request(method, path, body)
         try:
             with urllib.request.urlopen(req, timeout=120) as r:
                 return r.status, r.read().decode()
         except urllib.error.HTTPError as e:
             return e.code, e.read().decode()
+
+    def stream(self, path: str, body: dict[str, Any]) -> Iterator[Any]:
+        """The JSON events of a streamed POST (``"stream": true`` added), as
+        they arrive; an HTTP error status raises urllib's HTTPError."""
+        req = self._request("POST", path, {**body, "stream": True})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            # Server-sent events: "data: <JSON>" lines, "data: [DONE]" last.
+            for line in r:
+                data = line.removeprefix(b"data: ").strip()
+                if data != line.strip() and data != b"[DONE]":
+                    yield json.loads(data)
