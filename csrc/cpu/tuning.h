@@ -74,12 +74,17 @@ static_assert(RowsMaxTokens(8, true) <= kRowsMaxTokens &&
 // The same on AVX2: 8 fp32 lanes and no pair products, so a vector holds
 // fewer elements of a row and packing transposes cost more per output; 16-bit
 // weights are widened once per token in the rows tiles, except rows two to a
-// vector (`grouped`: 8 bf16 elements, measured; 4 fp16 ones, not), whose sums
-// take half the shuffles (#rows-max-tokens-avx2). Ungrouped rows shorter than a
-// vector always pack: a rows tile would load each in parts (#short-rows).
+// vector (`grouped`: 8 bf16 elements), whose sums take half the shuffles
+// (#rows-max-tokens-avx2). Grouped fp16 rows (4 elements) pack with a scalar
+// copy, so their rows tiles win to the last token they take
+// (#rows-groups-avx2). Ungrouped rows shorter than a vector always pack: a
+// rows tile would load each in parts (#short-rows).
 constexpr int64_t RowsMaxTokensAvx2(int64_t k, bool grouped, WeightProducts p) {
   if (!grouped && k < 8) return 0;
-  if (p == WeightProducts::kFp32) return 8;
+  if (p == WeightProducts::kFp32 ||
+      (grouped && p == WeightProducts::kWidened)) {
+    return kRowsMaxTokens;
+  }
   if (grouped) return 4;
   return k >= 64 ? 8 : k >= 16 ? 4 : 2;
 }
