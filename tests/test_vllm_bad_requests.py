@@ -120,19 +120,22 @@ def served(tmp_path_factory):
         yield srv, base, paths, reference
 
 
+def _greedy_completion(model, prompt, max_tokens):
+    """The body of a greedy /v1/completions request that returns token ids."""
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+
+
 def _complete(srv, model, max_tokens=MAX_TOKENS):
     """(status, token ids or vLLM's error message) of a greedy completion."""
     status, text = srv.request(
-        "POST",
-        "/v1/completions",
-        {
-            "model": model,
-            "prompt": PROMPT,
-            "max_tokens": max_tokens,
-            "temperature": 0.0,
-            "ignore_eos": True,
-            "return_token_ids": True,
-        },
+        "POST", "/v1/completions", _greedy_completion(model, PROMPT, max_tokens)
     )
     body = json.loads(text)
     if status != 200:
@@ -266,14 +269,9 @@ def _stream_in_flight(srv, model, all_running: threading.Event):
     try:
         for event in srv.stream(
             "/v1/completions",
-            {
-                "model": model,
-                "prompt": [PROMPT] * IN_FLIGHT_PROMPTS,
-                "max_tokens": IN_FLIGHT_TOKENS,
-                "temperature": 0.0,
-                "ignore_eos": True,
-                "return_token_ids": True,
-            },
+            _greedy_completion(
+                model, [PROMPT] * IN_FLIGHT_PROMPTS, IN_FLIGHT_TOKENS
+            ),
         ):
             assert "choices" in event, event
             for choice in event["choices"]:

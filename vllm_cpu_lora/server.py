@@ -217,6 +217,9 @@ class VllmServer:
         with urllib.request.urlopen(req, timeout=120) as r:
             # Server-sent events: "data: <JSON>" lines, "data: [DONE]" last.
             for line in r:
-                data = line.removeprefix(b"data: ").strip()
-                if data != line.strip() and data != b"[DONE]":
-                    yield json.loads(data)
+                if not line.startswith(b"data: "):
+                    continue
+                data = line[len(b"data: ") :].strip()
+                if data == b"[DONE]":
+                    return
+                yield json.loads(data)
