@@ -623,28 +623,55 @@ def test_shrink_grid(op, dtypes, shape, isa):
 
 
 # Shrink groups of at least 128 tokens and 64 ranks (ShrinkPacks,
-# csrc/cpu/tuning.h) take the pack tiles where the products are bf16 pairs:
-# one adapter with -1 rows among its tokens ("mixed", with an odd hidden
-# size: a half pair) or none, and 72 ranks (a whole 64-column tile and a
-# part of one).
+# csrc/cpu/tuning.h) take the pack tiles where the products are bf16 pairs,
+# with 72 ranks (a whole 64-column tile and a part of one). Their tiles read
+# bf16 inputs in place where the tokens are consecutive rows and each pair is
+# aligned as one: (pattern, hidden, x layout) covers that, with rows longer
+# than hidden ("pad2"), and each way out of it: -1 rows among the adapter's
+# tokens ("mixed"), an odd hidden size (a half pair), rows at odd element
+# offsets ("embedded") or an odd number of elements apart ("pad1").
 SHRINK_PACK_MIN_TOKENS = 128
+SHRINK_PACK_CASES = (
+    ("same", 1024, "contiguous"),
+    ("same", 1024, "embedded"),
+    ("same", 1024, "pad1"),
+    ("same", 1024, "pad2"),
+    ("mixed", 1024, "contiguous"),
+    ("mixed", 1025, "contiguous"),
+)
 
 
-@pytest.mark.parametrize("pattern", ("same", "mixed"))
+def padded_rows(t: torch.Tensor, pad: int) -> torch.Tensor:
+    """The same values in the first columns of a NaN buffer `pad` columns
+    wider."""
+    buffer = torch.full((t.size(0), t.size(1) + pad), NAN, dtype=t.dtype)
+    view = buffer[:, : t.size(1)]
+    view.copy_(t)
+    return view
+
+
+@pytest.mark.parametrize(
+    "case", SHRINK_PACK_CASES, ids=lambda c: "{}-h{}-{}".format(*c)
+)
 @pytest.mark.parametrize("dtypes", SHRINK_FAST_COMBOS, ids=dtypes_id)
 @pytest.mark.parametrize("op", SHRINK_OPS)
-def test_shrink_large_groups(op, dtypes, pattern, isa):
-    gen = make_generator("shrink_large_groups", op, dtypes, pattern)
+def test_shrink_large_groups(op, dtypes, case, isa):
+    pattern, hidden, x_layout = case
+    gen = make_generator("shrink_large_groups", op, dtypes, *case)
     call = shrink_call(
         op,
         dtypes,
         batch=600,
-        hidden=1025 if pattern == "mixed" else 1024,
+        hidden=hidden,
         rank=72,
         loras=1,
         pattern=pattern,
         gen=gen,
     )
+    if x_layout == "embedded":
+        call.args[call.x], _ = embedded(call.args[call.x])
+    elif x_layout.startswith("pad"):
+        call.args[call.x] = padded_rows(call.args[call.x], int(x_layout[3:]))
     if op == "bgmv_shrink":
         on_adapter = int((call.args[3] == 0).sum())
     else:

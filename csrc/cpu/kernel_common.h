@@ -160,6 +160,14 @@ struct KernelTypes {
   // Converted inputs and packed weights: fp32, or bf16 pairs (kPairs).
   using PackT = std::conditional_t<kPairs, uint32_t, float>;
 
+  // Whether the rows of x are their converted inputs already: bf16 pairs in
+  // memory order, each pair aligned as one.
+  static bool InputsArePairs(const LoraArgs& a) {
+    return kPairs && std::is_same_v<TX, c10::BFloat16> && a.k % 2 == 0 &&
+           a.x_row_stride % 2 == 0 &&
+           reinterpret_cast<uintptr_t>(a.x) % sizeof(PackT) == 0;
+  }
+
   // xc[i * rows + j] = input j of token tok[i] as fp32, or (kPairs) the bf16
   // pair (2j, 2j + 1) of it, for i < count.
   static void ConvertInputs(const LoraArgs& a, const int64_t* tok,
@@ -169,11 +177,9 @@ struct KernelTypes {
     for (int64_t i = 0; i < count; ++i) {
       const TX* xr = x + tok[i] * a.x_row_stride;
       PackT* dst = xc + i * rows;
-      if constexpr (kPairs && std::is_same_v<TX, c10::BFloat16>) {
-        if (a.k % 2 == 0) {  // Already pairs, in memory order.
-          std::memcpy(dst, xr, a.k * sizeof(TX));
-          continue;
-        }
+      if (InputsArePairs(a)) {
+        std::memcpy(dst, xr, a.k * sizeof(TX));
+        continue;
       }
       for (int64_t j = 0; j < rows; ++j) {
         if constexpr (kPairs) {

@@ -78,11 +78,12 @@ struct PackKernel : KernelTypes<V, TX, TW, TO> {
   }
 
   // out rows tok[0..MT), columns [n, n + nc): the packed block P times the
-  // converted inputs xc (rows entries per token). kFull: nc == kNT, known at
-  // compile time so the accumulators stay in registers.
+  // converted inputs xc (rows entries per token, x_stride apart). kFull:
+  // nc == kNT, known at compile time so the accumulators stay in registers.
   template <int MT, bool kFull>
   static void PackTile(const LoraArgs& a, const PackT* P, const PackT* xc,
-                       int64_t rows, const int64_t* tok, int64_t n, int nc) {
+                       int64_t x_stride, int64_t rows, const int64_t* tok,
+                       int64_t n, int nc) {
     TO* out = static_cast<TO*>(a.out);
     const int nv = kFull ? kNV : (nc + kL - 1) / kL;  // Vectors in use.
     F acc[MT][kNV];
@@ -95,7 +96,7 @@ struct PackKernel : KernelTypes<V, TX, TW, TO> {
         for (int v = 0; v < kNV; ++v)
           if (v < nv) wv[v] = V::LoadPacked(pj + v * kL);
         for (int i = 0; i < MT; ++i) {
-          const typename V::BH xb = V::BroadcastPair(xc[i * rows + j]);
+          const typename V::BH xb = V::BroadcastPair(xc[i * x_stride + j]);
           for (int v = 0; v < kNV; ++v)
             if (v < nv) acc[i][v] = V::Dot(acc[i][v], xb, wv[v]);
         }
@@ -104,7 +105,7 @@ struct PackKernel : KernelTypes<V, TX, TW, TO> {
         for (int v = 0; v < kNV; ++v)
           if (v < nv) wv[v] = V::Load(pj + v * kL);
         for (int i = 0; i < MT; ++i) {
-          const F xb = V::Set1(xc[i * rows + j]);
+          const F xb = V::Set1(xc[i * x_stride + j]);
           for (int v = 0; v < kNV; ++v)
             if (v < nv) acc[i][v] = V::Fma(xb, wv[v], acc[i][v]);
         }
@@ -125,11 +126,13 @@ struct PackKernel : KernelTypes<V, TX, TW, TO> {
     }
   }
 
-  // Per work item: convert its tokens' inputs, pack all of its columns
-  // (one kNT-column block after another, rows * kNT entries each; kept for
-  // the next item of the same columns), then sweep each token tile along
-  // the columns, so every output row is written front to back (output
-  // traffic dominates a large expand).
+  // Per work item: convert its tokens' inputs (unless x holds them already,
+  // as consecutive rows: copied, a long shrink's rows took L2 from the packed
+  // weights, #shrink-packs), pack all of its columns (one kNT-column block
+  // after another, rows * kNT entries each; kept for the next item of the
+  // same columns), then sweep each token tile along the columns, so every
+  // output row is written front to back (output traffic dominates a large
+  // expand).
   static void Run(const LoraArgs& a, const WorkItem* items, int64_t begin,
                   int64_t end) {
     const int64_t rows = kPairs ? (a.k + 1) / 2 : a.k;
@@ -147,16 +150,28 @@ struct PackKernel : KernelTypes<V, TX, TW, TO> {
         xc.reset(new PackT[count * rows]);
         xc_tokens = count;
       }
-      ConvertInputs(a, tok, count, xc.get());
       const TW* wa = w + g.adapter * a.w_adapter_stride;
       const int group_lanes = Rows::RowGroupLanes(a);
       // The rows rules are an expand's (a.k a rank); large shrink groups
       // come here for packing.
       if (a.k <= kMaxPackK &&
           count <= V::RowsMaxTokens(a.k, group_lanes > 0, Base::kProducts)) {
+        ConvertInputs(a, tok, count, xc.get());
         Rows::Run(a, wa, xc.get(), rows, tok, count, item.n0, item.n1,
                   group_lanes);
         continue;
+      }
+      const PackT* xs = xc.get();
+      int64_t x_stride = rows;
+      const bool consecutive =
+          std::adjacent_find(tok, tok + count, [](int64_t t, int64_t next) {
+            return next != t + 1;
+          }) == tok + count;
+      if (Base::InputsArePairs(a) && consecutive) {
+        xs = static_cast<const PackT*>(a.x) + tok[0] * a.x_row_stride / 2;
+        x_stride = a.x_row_stride / 2;
+      } else {
+        ConvertInputs(a, tok, count, xc.get());
       }
       auto block_cols = [&](int64_t b) {
         return static_cast<int>(
@@ -175,11 +190,11 @@ struct PackKernel : KernelTypes<V, TX, TW, TO> {
           const PackT* block = packed.data() + b * rows * kNT;
           const int64_t n = item.n0 + b * kNT;
           if (nc == kNT) {
-            PackTile<kMT, true>(a, block, xc.get() + m * rows, rows, tok + m, n,
-                                nc);
+            PackTile<kMT, true>(a, block, xs + m * x_stride, x_stride, rows,
+                                tok + m, n, nc);
           } else {
-            PackTile<kMT, false>(a, block, xc.get() + m * rows, rows, tok + m,
-                                 n, nc);
+            PackTile<kMT, false>(a, block, xs + m * x_stride, x_stride, rows,
+                                 tok + m, n, nc);
           }
         }
       };
