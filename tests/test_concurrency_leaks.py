@@ -3,7 +3,7 @@
 Threads: each op runs from several Python threads at once, every thread on
 its own tensors, and every result must equal, bit for bit, the result of the
 same call made alone (which is itself checked against the oracle). Half the
-calls are large enough for the kernels' at::parallel_for (>= 2^18
+calls are large enough for the kernels' at::parallel_for (>= 2^17
 multiply-adds), so the intra-op thread pool is entered from several threads
 at once too.
 

@@ -548,7 +548,7 @@ def test_all_dtype_combinations(op, dtypes, isa):
 # (batch, hidden, rank, loras). Together they take every H in {1, 2, 15, 33,
 # 2049}, rank in {1, 3, 16, 64, 256}, L in {1, 4, 128} and batch in {0, 1, 5,
 # 37}, both blockings, the token tails of every tile height and the threaded
-# path (>= 2^18 multiply-adds).
+# path (>= 2^17 multiply-adds).
 SHRINK_SHAPES = (
     (0, 33, 16, 4),
     (1, 1, 1, 1),

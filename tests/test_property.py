@@ -181,7 +181,7 @@ def sgmv_segments(draw, loras: int, big: bool):
 @st.composite
 def specs(draw, op: str) -> Spec:
     """A Spec for `op`; about one in ten is just large enough for the
-    kernels' threaded path (>= 2^18 multiply-adds, counting tokens that have
+    kernels' threaded path (>= 2^17 multiply-adds, counting tokens that have
     an adapter)."""
     big = draw(st.integers(0, 9)) == 0
     loras = draw(st.integers(1, 6))

@@ -24,9 +24,10 @@ constexpr bool ShrinkPacks(int64_t tokens, int64_t ranks) {
   return tokens >= 128 && ranks >= 64;
 }
 
-// Parallelise above this many multiply-adds: thread start-up costs a few
-// microseconds that a smaller call would not win back (#parallel-macs).
-constexpr int64_t kParallelMacs = int64_t{1} << 18;
+// Parallelise from this many multiply-adds (one-thread decode calls of
+// 4-8 us): a parallel region costs about a microsecond, which a smaller
+// call would not win back (#parallel-macs).
+constexpr int64_t kParallelMacs = int64_t{1} << 17;
 
 // Tokens per work item: a multiple of every token tile height.
 constexpr int64_t kWorkItemTokens = 64;
