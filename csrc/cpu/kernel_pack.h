@@ -126,13 +126,13 @@ struct PackKernel : KernelTypes<V, TX, TW, TO> {
     }
   }
 
-  // Per work item: convert its tokens' inputs (unless x holds them already,
-  // as consecutive rows: copied, a long shrink's rows took L2 from the packed
-  // weights, #shrink-packs), pack all of its columns (one kNT-column block
-  // after another, rows * kNT entries each; kept for the next item of the
-  // same columns), then sweep each token tile along the columns, so every
-  // output row is written front to back (output traffic dominates a large
-  // expand).
+  // Per work item: convert its tokens' inputs (unless x holds them already
+  // as consecutive rows, read in place: a copy of a long shrink's rows took
+  // L2 from the packed weights, #shrink-packs), pack all of its columns (one
+  // kNT-column block after another, rows * kNT entries each; kept for the
+  // next item of the same columns), then sweep each token tile along the
+  // columns, so every output row is written front to back (output traffic
+  // dominates a large expand).
   static void Run(const LoraArgs& a, const WorkItem* items, int64_t begin,
                   int64_t end) {
     const int64_t rows = kPairs ? (a.k + 1) / 2 : a.k;
