@@ -8,6 +8,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -161,11 +162,20 @@ struct KernelTypes {
   using PackT = std::conditional_t<kPairs, uint32_t, float>;
 
   // Whether the rows of x are their converted inputs already: bf16 pairs in
-  // memory order, each pair aligned as one.
+  // memory order.
   static bool InputsArePairs(const LoraArgs& a) {
-    return kPairs && std::is_same_v<TX, c10::BFloat16> && a.k % 2 == 0 &&
-           a.x_row_stride % 2 == 0 &&
-           reinterpret_cast<uintptr_t>(a.x) % sizeof(PackT) == 0;
+    return kPairs && std::is_same_v<TX, c10::BFloat16> && a.k % 2 == 0;
+  }
+
+  // Whether the pack tiles can read those pairs in place, tokens tok[0..count)
+  // as consecutive rows of x, each pair aligned as one.
+  static bool PairsInPlace(const LoraArgs& a, const int64_t* tok,
+                           int64_t count) {
+    return InputsArePairs(a) && a.x_row_stride % 2 == 0 &&
+           reinterpret_cast<uintptr_t>(a.x) % sizeof(PackT) == 0 &&
+           std::adjacent_find(tok, tok + count, [](int64_t t, int64_t next) {
+             return next != t + 1;
+           }) == tok + count;
   }
 
   // xc[i * rows + j] = input j of token tok[i] as fp32, or (kPairs) the bf16

@@ -163,11 +163,7 @@ struct PackKernel : KernelTypes<V, TX, TW, TO> {
       }
       const PackT* xs = xc.get();
       int64_t x_stride = rows;
-      const bool consecutive =
-          std::adjacent_find(tok, tok + count, [](int64_t t, int64_t next) {
-            return next != t + 1;
-          }) == tok + count;
-      if (Base::InputsArePairs(a) && consecutive) {
+      if (Base::PairsInPlace(a, tok, count)) {
         xs = static_cast<const PackT*>(a.x) + tok[0] * a.x_row_stride / 2;
         x_stride = a.x_row_stride / 2;
       } else {
