@@ -470,7 +470,8 @@ void RunAmx(const LoraArgs& a, const WorkItem* items, int64_t begin,
 inline IsaKernels MakeAmxKernels() {
   constexpr KernelFn kDot = &RunDot<AmxVec>;
   constexpr KernelFn kPack = &RunPack<AmxVec>;
-  return IsaKernels{&RunAmx<kDot, kPack, false>, &RunAmx<kDot, kPack, true>};
+  return IsaKernels{&RunAmx<kDot, kPack, false>, &RunAmx<kDot, kPack, true>,
+                    true};
 }
 
 }  // namespace vllm_cpu_lora::VLLM_CPU_LORA_ISA_NS

@@ -43,7 +43,7 @@ void RunPack(const LoraArgs& a, const WorkItem* items, int64_t begin,
 
 template <class V>
 IsaKernels MakeKernels() {
-  return IsaKernels{&RunDot<V>, &RunPack<V>};
+  return IsaKernels{&RunDot<V>, &RunPack<V>, V::kBf16Dot};
 }
 
 }  // namespace vllm_cpu_lora::VLLM_CPU_LORA_ISA_NS

@@ -63,6 +63,7 @@ using KernelFn = void (*)(const LoraArgs&, const WorkItem*, int64_t begin,
 struct IsaKernels {
   KernelFn dot;
   KernelFn pack;
+  bool bf16_pairs;  // bf16 pair products (vdpbf16ps, AMX, BFDOT).
 };
 
 // One accessor per ISA translation unit; all but scalar's are built on their

@@ -128,7 +128,10 @@ void Run(const Product& p, c10::ArrayRef<Group> groups,
 
   int64_t total_tokens = 0;
   for (const Group& g : groups) total_tokens += g.token_count;
-  const int64_t macs = total_tokens * p.n * k;
+  // The call's size as kParallelMacs measures it.
+  int64_t macs = total_tokens * p.n * k;
+  if (pack && !kernels.bf16_pairs)
+    macs += kExpandOutputMacs * total_tokens * p.n;
   const int threads = at::get_num_threads();
   const bool parallel =
       threads > 1 && macs >= kParallelMacs && !at::in_parallel_region();

@@ -29,6 +29,11 @@ constexpr bool ShrinkPacks(int64_t tokens, int64_t ranks) {
 // call would not win back (#parallel-macs).
 constexpr int64_t kParallelMacs = int64_t{1} << 17;
 
+// An expand without bf16 pair products spends about as long on each output
+// (its load, widening, rounding and store) as on this many multiply-adds,
+// and counts them towards kParallelMacs (#parallel-macs).
+constexpr int64_t kExpandOutputMacs = 8;
+
 // Tokens per work item: a multiple of every token tile height.
 constexpr int64_t kWorkItemTokens = 64;
 
