@@ -1,7 +1,7 @@
 // AVX2 + FMA + F16C vector policy for the kernel templates (bgmv_impl.h): 8
-// fp32 lanes. Tails of 16-bit types go through a small zero-padded stack
-// buffer, so no byte past the n-th element is read or written. Include only
-// from kernels_avx2.cpp.
+// fp32 lanes. Tails of 16-bit types are read by masked loads (LoadShorts)
+// and written through a small stack buffer, so no byte past the n-th element
+// is read or written. Include only from kernels_avx2.cpp.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -128,10 +128,26 @@ struct VecAvx2 {
     if constexpr (std::is_same_v<T, float>) {
       return _mm256_maskload_ps(p, Mask(n));
     } else {
-      alignas(16) T buf[kLanes] = {};
-      std::memcpy(buf, p, n * sizeof(T));
-      return Widen(_mm_load_si128(reinterpret_cast<const __m128i*>(buf)), T{});
+      return Widen(_mm256_castsi256_si128(LoadShorts(p, n)), T{});
     }
+  }
+
+  // The first n < 16 16-bit elements at p, the others zero: the whole
+  // dwords by a masked load (no byte past them is read), an odd last
+  // element blended in; a copy through a stack buffer stalled store
+  // forwarding (#short-rows).
+  static __m256i LoadShorts(const void* p, int n) {
+    __m256i v = _mm256_maskload_epi32(static_cast<const int*>(p), Mask(n / 2));
+    if (n % 2 != 0) {
+      int16_t last;
+      std::memcpy(&last, static_cast<const int16_t*>(p) + n - 1, sizeof(last));
+      const __m256i at =
+          _mm256_cmpeq_epi16(_mm256_set1_epi16(static_cast<int16_t>(n - 1)),
+                             _mm256_setr_epi16(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
+                                               11, 12, 13, 14, 15));
+      v = _mm256_blendv_epi8(v, _mm256_set1_epi16(last), at);
+    }
+    return v;
   }
 
   // 16 elements as two fp32 vectors: the even-indexed ones and the
@@ -144,10 +160,7 @@ struct VecAvx2 {
   template <class T>
   static Split LoadSplit(const T* p) {
     if constexpr (std::is_same_v<T, c10::BFloat16>) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-      return {
-          _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)),
-          _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(~0xffff)))};
+      return SplitBf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     } else {
       const F a = Load(p), b = Load(p + kLanes);
       return {InOrder(_mm256_shuffle_ps(a, b, 0x88)),
@@ -156,9 +169,13 @@ struct VecAvx2 {
   }
   // LoadSplit of the first n < 16 elements.
   static Split LoadSplitPartial(const c10::BFloat16* p, int n) {
-    alignas(32) c10::BFloat16 buf[2 * kLanes] = {};
-    std::memcpy(buf, p, n * sizeof(*p));
-    return LoadSplit(buf);
+    return SplitBf16(LoadShorts(p, n));
+  }
+  // The even and odd halves of 16 bf16.
+  static Split SplitBf16(__m256i v) {
+    return {
+        _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)),
+        _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(~0xffff)))};
   }
   // shuffle_ps picks within 128-bit halves: this puts its four 64-bit
   // pieces back in element order.
