@@ -62,7 +62,9 @@ def test_a_kernel_fault_is_reported_and_the_server_stops(tmp_path):
         status, text = _complete(srv, "a1")
         assert status is None or status >= 500, (status, text)
         if status is not None:
-            assert "EngineCore" in json.loads(text)["error"]["message"]
+            # vLLM 0.32 names the dead engine here, 0.33 answers a generic
+            # message; both logs report it (below).
+            assert json.loads(text)["error"]["message"], text
         exit_code = srv.wait_for_exit(EXIT_TIMEOUT_S)
         log = srv.log_text()
         assert exit_code is not None, "the server still runs:\n" + log[-4000:]
