@@ -12,7 +12,8 @@ namespace vllm_cpu_lora {
 constexpr int64_t kNever = int64_t{1} << 62;
 
 // Products reducing over at most this many elements (expands: k is the
-// rank) with more outputs than that take the pack strategy.
+// rank) with more outputs than that take the pack strategy; its rows tiles
+// lose to the dot tiles beyond (#max-pack-k).
 constexpr int64_t kMaxPackK = 256;
 
 // Shrink groups of at least 128 tokens and 64 ranks take the pack tiles too
