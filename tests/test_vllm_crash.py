@@ -30,6 +30,10 @@ from vllm_cpu_lora.offline import child_env  # noqa: E402
 
 HOOK = Path(__file__).parent / "fault_injection"
 BASE = "base"
+# vLLM 0.32 names the dead engine in the error response ("EngineCore
+# encountered an issue ..."); 0.33 answers this instead and names it in its
+# log only (checked below).
+GENERIC_ERROR = "The server had an error while processing your request."
 # vLLM's watchdog looks for a dead engine every 5 s; shutting down takes a
 # few seconds more.
 EXIT_TIMEOUT_S = 60.0
@@ -62,9 +66,8 @@ def test_a_kernel_fault_is_reported_and_the_server_stops(tmp_path):
         status, text = _complete(srv, "a1")
         assert status is None or status >= 500, (status, text)
         if status is not None:
-            # vLLM 0.32 names the dead engine here, 0.33 answers a generic
-            # message; both logs report it (below).
-            assert json.loads(text)["error"]["message"], text
+            message = json.loads(text)["error"]["message"]
+            assert "EngineCore" in message or message == GENERIC_ERROR, text
         exit_code = srv.wait_for_exit(EXIT_TIMEOUT_S)
         log = srv.log_text()
         assert exit_code is not None, "the server still runs:\n" + log[-4000:]
