@@ -672,12 +672,45 @@ def test_shrink_large_groups(op, dtypes, case, isa):
         call.args[call.x], _ = embedded(call.args[call.x])
     elif x_layout.startswith("pad"):
         call.args[call.x] = padded_rows(call.args[call.x], int(x_layout[3:]))
-    if op == "bgmv_shrink":
-        on_adapter = int((call.args[3] == 0).sum())
-    else:
-        lengths, adapters = call.args[4], call.args[5]
-        on_adapter = int(lengths[adapters == 0].sum())
-    assert on_adapter >= SHRINK_PACK_MIN_TOKENS
+    assert tokens_on_adapter_0(call) >= SHRINK_PACK_MIN_TOKENS
+    check(call, isa)
+
+
+def tokens_on_adapter_0(call: Call) -> int:
+    """How many tokens of a bgmv or sgmv call use adapter 0."""
+    if call.op.startswith("bgmv"):
+        return int((call.args[3] == 0).sum())
+    lengths, adapters = call.args[4], call.args[5]
+    return int(lengths[adapters == 0].sum())
+
+
+# Expand groups of at least 32 tokens with ranks above kMaxPackK, up to 512
+# (ExpandPacks, csrc/cpu/tuning.h), take the pack tiles from the dot
+# strategy: ranks just above 256, odd (a half pair) and the largest, into
+# 600 columns (more than the rank, with a partial tile), 45 tokens on one
+# adapter (with a partial token tile).
+EXPAND_PACK_MIN_TOKENS = 32
+EXPAND_PACK_RANKS = (257, 320, 511, 512)
+
+
+@pytest.mark.parametrize("rank", EXPAND_PACK_RANKS)
+@pytest.mark.parametrize("dtypes", EXPAND_FAST_COMBOS, ids=dtypes_id)
+@pytest.mark.parametrize("op", EXPAND_OPS)
+def test_expand_large_rank_groups(op, dtypes, rank, isa):
+    gen = make_generator("expand_large_rank_groups", op, dtypes, rank)
+    call = expand_call(
+        op,
+        dtypes,
+        batch=45,
+        rank=rank,
+        w_rows=600,
+        out_width=600,
+        loras=1,
+        pattern="same",
+        add=rank % 2 == 1,
+        gen=gen,
+    )
+    assert tokens_on_adapter_0(call) >= EXPAND_PACK_MIN_TOKENS
     check(call, isa)
 
 

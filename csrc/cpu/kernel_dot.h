@@ -1,6 +1,6 @@
 // The "dot" strategy (LoRA shrink: long k, few outputs): register tiles of
 // tokens x weight rows, dot products along k, one horizontal sum per output;
-// large groups take the pack tiles (ShrinkPacks).
+// large groups take the pack tiles (ShrinkPacks, ExpandPacks).
 // Compiled once per ISA, inside its namespace (kernel_isa_namespace.h).
 #pragma once
 
@@ -149,10 +149,12 @@ struct DotKernel : KernelTypes<V, TX, TW, TO> {
     }
   }
 
-  // Whether an item goes to the pack tiles (ShrinkPacks).
+  // Whether an item goes to the pack tiles (ShrinkPacks, ExpandPacks).
   static bool Packs(const LoraArgs& a, const WorkItem& item) {
-    return kPairs &&
-           ShrinkPacks(a.groups[item.group].token_count, item.n1 - item.n0);
+    const int64_t tokens = a.groups[item.group].token_count;
+    const int64_t outputs = item.n1 - item.n0;
+    return (kPairs && ShrinkPacks(tokens, outputs)) ||
+           ExpandPacks(tokens, a.k, outputs);
   }
 
   // Items of a group are consecutive: each run of items for the pack tiles

@@ -25,6 +25,15 @@ constexpr bool ShrinkPacks(int64_t tokens, int64_t ranks) {
   return tokens >= 128 && ranks >= 64;
 }
 
+// Expand groups (more outputs than k) of at least 32 tokens with ranks up to
+// vLLM's largest max_lora_rank, 512, take the pack tiles even beyond
+// kMaxPackK: the dot tiles end each output with a horizontal sum and read
+// every weight row again for each token tile, which packing the weights once
+// per group outweighs from 32 tokens (#expand-packs).
+constexpr bool ExpandPacks(int64_t tokens, int64_t k, int64_t outputs) {
+  return outputs > k && k <= 512 && tokens >= 32;
+}
+
 // Parallelise from this many multiply-adds (one-thread decode calls of
 // 4-8 us): a parallel region costs about a microsecond, which a smaller
 // call would not win back (#parallel-macs).
