@@ -672,16 +672,18 @@ def test_shrink_large_groups(op, dtypes, case, isa):
         call.args[call.x], _ = embedded(call.args[call.x])
     elif x_layout.startswith("pad"):
         call.args[call.x] = padded_rows(call.args[call.x], int(x_layout[3:]))
-    assert tokens_on_adapter_0(call) >= SHRINK_PACK_MIN_TOKENS
+    assert tokens_on_adapter(call) >= SHRINK_PACK_MIN_TOKENS
     check(call, isa)
 
 
-def tokens_on_adapter_0(call: Call) -> int:
-    """How many tokens of a bgmv or sgmv call use adapter 0."""
+def tokens_on_adapter(call: Call, adapter: int | None = 0) -> int:
+    """How many tokens of a bgmv or sgmv call use `adapter` (None: any)."""
     if call.op.startswith("bgmv"):
-        return int((call.args[3] == 0).sum())
-    lengths, adapters = call.args[4], call.args[5]
-    return int(lengths[adapters == 0].sum())
+        indices, lengths = call.args[3], torch.ones_like(call.args[3])
+    else:
+        lengths, indices = call.args[4], call.args[5]
+    on = indices >= 0 if adapter is None else indices == adapter
+    return int(lengths[on].sum())
 
 
 # Expand groups of at least 32 tokens with ranks above kMaxPackK, up to 512
@@ -710,7 +712,7 @@ def test_expand_large_rank_groups(op, dtypes, rank, isa):
         add=rank % 2 == 1,
         gen=gen,
     )
-    assert tokens_on_adapter_0(call) >= EXPAND_PACK_MIN_TOKENS
+    assert tokens_on_adapter(call) >= EXPAND_PACK_MIN_TOKENS
     check(call, isa)
 
 
@@ -1216,6 +1218,37 @@ def test_shrink_split_k(op, dtypes, isa):
     if dtypes[2] == F32:
         run_kernel(one_thread, isa, threads=1)
         assert not torch.equal(call.output, one_thread.output)
+
+
+SPLIT_TOKENS_PER_THREAD = 64
+
+
+@pytest.mark.parametrize("threads", (2, 3))
+@pytest.mark.parametrize(
+    "dtypes", ((F32, BF16, BF16), (F32, F32, F32)), ids=dtypes_id
+)
+@pytest.mark.parametrize("op", EXPAND_OPS)
+def test_expand_token_split(op, dtypes, threads, isa):
+    """An expand of at least 64 tokens per thread splits its tokens evenly
+    among the threads (kSplitTokensPerThread): 3 adapters, -1 rows and add
+    mode (bgmv: -1 rows; sgmv: random segments), so that thread boundaries
+    fall inside groups and the threads' shares of a group differ; 2 and 3
+    threads (the 3 share 2 CPUs here)."""
+    gen = make_generator("token-split", op, dtypes)
+    call = expand_call(
+        op,
+        dtypes,
+        batch=301,
+        rank=16,
+        w_rows=131,
+        out_width=131,
+        loras=3,
+        pattern="mixed" if op.startswith("bgmv") else "distinct",
+        add=True,
+        gen=gen,
+    )
+    assert tokens_on_adapter(call, None) >= SPLIT_TOKENS_PER_THREAD * threads
+    check(call, isa, run=lambda c: run_kernel(c, isa, threads=threads))
 
 
 # ------------------------------------------------------- eager fast path --

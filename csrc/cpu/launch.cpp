@@ -148,9 +148,12 @@ void Run(const Product& p, c10::ArrayRef<Group> groups,
         p.n, std::max(kMinColumnsPerItem, PackedBytesPerItem() / (4 * k) /
                                               kColumnAlign * kColumnAlign));
   }
-  if (parallel && pack) {
-    // Expand: halve the column blocks until there are a few items per
-    // thread.
+  // Expand: with enough tokens each thread takes an equal share of them,
+  // whole output rows; else the column blocks are halved until there are a
+  // few items per thread.
+  const bool split_tokens =
+      parallel && pack && total_tokens >= kSplitTokensPerThread * threads;
+  if (parallel && pack && !split_tokens) {
     while (m_blocks * ((p.n + n_block - 1) / n_block) < 4 * threads &&
            n_block > kColumnAlign) {
       n_block = std::max(kColumnAlign, (n_block / 2 + kColumnAlign - 1) /
@@ -168,23 +171,54 @@ void Run(const Product& p, c10::ArrayRef<Group> groups,
                         a.out_dtype == DType::kBFloat16;
   const bool split_k = parallel && !pack && m_blocks < threads && !rounds_x;
   c10::SmallVector<WorkItem, 32> items;
-  items.reserve(m_blocks * ((p.n + n_block - 1) / n_block));
-  // Token blocks innermost: consecutive items of a column block share its
-  // packed weights (PackedBlocks), and threads take runs of items.
-  for (int64_t gi = 0; gi < static_cast<int64_t>(groups.size()); ++gi) {
-    const int64_t count = groups[gi].token_count;
+  items.reserve(m_blocks * ((p.n + n_block - 1) / n_block) + threads);
+  // Items of group gi's tokens [m0, m1). Token blocks innermost: consecutive
+  // items of a column block share its packed weights (PackedBlocks).
+  auto add_items = [&](int64_t gi, int64_t m0, int64_t m1) {
     for (int64_t n = 0; n < p.n; n += n_block) {
-      for (int64_t m = 0; m < count; m += kWorkItemTokens) {
-        items.push_back(WorkItem{gi, m, std::min(m + kWorkItemTokens, count), n,
+      for (int64_t m = m0; m < m1; m += kWorkItemTokens) {
+        items.push_back(WorkItem{gi, m, std::min(m + kWorkItemTokens, m1), n,
                                  std::min(n + n_block, p.n)});
       }
     }
+  };
+  const int64_t num_groups = static_cast<int64_t>(groups.size());
+  if (!split_tokens) {
+    for (int64_t gi = 0; gi < num_groups; ++gi) {
+      add_items(gi, 0, groups[gi].token_count);
+    }
+  }
+  // split_tokens: thread j's items are [thread_items[j], thread_items[j+1]),
+  // tokens [j * total / threads, (j + 1) * total / threads) of the groups'
+  // tokens in order.
+  c10::SmallVector<int64_t, 16> thread_items;
+  if (split_tokens) {
+    for (int64_t j = 0; j < threads; ++j) {
+      thread_items.push_back(static_cast<int64_t>(items.size()));
+      const int64_t t0 = j * total_tokens / threads;
+      const int64_t t1 = (j + 1) * total_tokens / threads;
+      int64_t first = 0;  // Group gi's first token in that order.
+      for (int64_t gi = 0; gi < num_groups && first < t1; ++gi) {
+        const int64_t count = groups[gi].token_count;
+        const int64_t m0 = std::max<int64_t>(t0 - first, 0);
+        const int64_t m1 = std::min(t1 - first, count);
+        if (m0 < m1) add_items(gi, m0, m1);
+        first += count;
+      }
+    }
+    thread_items.push_back(static_cast<int64_t>(items.size()));
   }
   const int64_t num_items = static_cast<int64_t>(items.size());
   if (split_k) {
     RunSplitK(a, fn, items, groups, tokens, p.x.size(0), p.n, threads);
   } else if (!parallel) {
     fn(a, items.data(), 0, num_items);
+  } else if (split_tokens) {
+    at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t j = begin; j < end; ++j) {
+        fn(a, items.data(), thread_items[j], thread_items[j + 1]);
+      }
+    });
   } else {
     at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
       fn(a, items.data(), begin, end);

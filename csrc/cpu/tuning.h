@@ -47,6 +47,12 @@ constexpr int64_t kExpandOutputMacs = 8;
 // Tokens per work item: a multiple of every token tile height.
 constexpr int64_t kWorkItemTokens = 64;
 
+// Parallel expands of at least this many tokens per thread split the tokens
+// among the threads, each writing whole output rows: two threads writing
+// parts of the same rows ran up to 3x slower, depending on where the rows
+// lie in memory (#expand-row-split).
+constexpr int64_t kSplitTokensPerThread = 64;
+
 // Expand items span as many columns as keep their packed weights within
 // about half of this CPU's L2 (#expand-column-blocks), assumed this size
 // where the OS does not tell; blocks are whole cache lines.
