@@ -1230,8 +1230,8 @@ SPLIT_TOKENS_PER_THREAD = 64
 @pytest.mark.parametrize("op", EXPAND_OPS)
 def test_expand_token_split(op, dtypes, threads, isa):
     """An expand of at least 64 tokens per thread splits its tokens evenly
-    among the threads (kSplitTokensPerThread): 3 adapters, -1 rows and add
-    mode (bgmv: -1 rows; sgmv: random segments), so that thread boundaries
+    among the threads (kSplitTokensPerThread): 3 adapters and add mode
+    (bgmv with -1 rows, sgmv in random segments), so that thread boundaries
     fall inside groups and the threads' shares of a group differ; 2 and 3
     threads (the 3 share 2 CPUs here)."""
     gen = make_generator("token-split", op, dtypes)

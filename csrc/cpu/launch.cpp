@@ -171,7 +171,9 @@ void Run(const Product& p, c10::ArrayRef<Group> groups,
                         a.out_dtype == DType::kBFloat16;
   const bool split_k = parallel && !pack && m_blocks < threads && !rounds_x;
   c10::SmallVector<WorkItem, 32> items;
-  items.reserve(m_blocks * ((p.n + n_block - 1) / n_block) + threads);
+  // A thread's share may cut a token block in two.
+  items.reserve((m_blocks + (split_tokens ? threads : 0)) *
+                ((p.n + n_block - 1) / n_block));
   // Items of group gi's tokens [m0, m1). Token blocks innermost: consecutive
   // items of a column block share its packed weights (PackedBlocks).
   auto add_items = [&](int64_t gi, int64_t m0, int64_t m1) {
@@ -183,30 +185,31 @@ void Run(const Product& p, c10::ArrayRef<Group> groups,
     }
   };
   const int64_t num_groups = static_cast<int64_t>(groups.size());
-  if (!split_tokens) {
+  // split_tokens: thread j's items are [thread_items[j], thread_items[j+1]),
+  // tokens [j * total / threads, (j + 1) * total / threads) of the groups'
+  // tokens in order (a share of 64 tokens or more is never empty).
+  c10::SmallVector<int64_t, 16> thread_items;
+  if (split_tokens) {
+    thread_items.push_back(0);
+    int64_t first = 0;  // Group gi's first token in that order.
+    for (int64_t gi = 0; gi < num_groups; ++gi) {
+      const int64_t count = groups[gi].token_count;
+      for (int64_t m = 0; m < count;) {
+        const int64_t j = static_cast<int64_t>(thread_items.size()) - 1;
+        const int64_t share_end = (j + 1) * total_tokens / threads;
+        const int64_t m1 = std::min(count, share_end - first);
+        add_items(gi, m, m1);
+        m = m1;
+        if (first + m == share_end) {
+          thread_items.push_back(static_cast<int64_t>(items.size()));
+        }
+      }
+      first += count;
+    }
+  } else {
     for (int64_t gi = 0; gi < num_groups; ++gi) {
       add_items(gi, 0, groups[gi].token_count);
     }
-  }
-  // split_tokens: thread j's items are [thread_items[j], thread_items[j+1]),
-  // tokens [j * total / threads, (j + 1) * total / threads) of the groups'
-  // tokens in order.
-  c10::SmallVector<int64_t, 16> thread_items;
-  if (split_tokens) {
-    for (int64_t j = 0; j < threads; ++j) {
-      thread_items.push_back(static_cast<int64_t>(items.size()));
-      const int64_t t0 = j * total_tokens / threads;
-      const int64_t t1 = (j + 1) * total_tokens / threads;
-      int64_t first = 0;  // Group gi's first token in that order.
-      for (int64_t gi = 0; gi < num_groups && first < t1; ++gi) {
-        const int64_t count = groups[gi].token_count;
-        const int64_t m0 = std::max<int64_t>(t0 - first, 0);
-        const int64_t m1 = std::min(t1 - first, count);
-        if (m0 < m1) add_items(gi, m0, m1);
-        first += count;
-      }
-    }
-    thread_items.push_back(static_cast<int64_t>(items.size()));
   }
   const int64_t num_items = static_cast<int64_t>(items.size());
   if (split_k) {
