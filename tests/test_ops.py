@@ -1220,34 +1220,39 @@ def test_shrink_split_k(op, dtypes, isa):
         assert not torch.equal(call.output, one_thread.output)
 
 
-SPLIT_TOKENS_PER_THREAD = 64
+# kSplitTokensPerThread and SplitTokensPerThread(bf16 pairs) in tuning.h.
+SPLIT_TOKENS_PER_THREAD = {"avx512_bf16": 16, "neon_bf16": 16}
 
 
 @pytest.mark.parametrize("threads", (2, 3))
+@pytest.mark.parametrize("batch", (301, 97))
 @pytest.mark.parametrize(
     "dtypes", ((F32, BF16, BF16), (F32, F32, F32)), ids=dtypes_id
 )
 @pytest.mark.parametrize("op", EXPAND_OPS)
-def test_expand_token_split(op, dtypes, threads, isa):
-    """An expand of at least 64 tokens per thread splits its tokens evenly
-    among the threads (kSplitTokensPerThread): 3 adapters and add mode
-    (bgmv with -1 rows, sgmv in random segments), so that thread boundaries
-    fall inside groups and the threads' shares of a group differ; 2 and 3
-    threads (the 3 share 2 CPUs here)."""
-    gen = make_generator("token-split", op, dtypes)
+def test_expand_token_split(op, dtypes, batch, threads, isa):
+    """A parallel expand of enough tokens per thread (64; 16 on the bf16
+    pair paths) splits its tokens evenly among the threads: 3 adapters and
+    add mode (bgmv with -1 rows, sgmv in random segments), so that thread
+    boundaries fall inside groups and the threads' shares of a group differ;
+    2 and 3 threads (the 3 share 2 CPUs here). 301 tokens split on every
+    path, 97 only on the bf16 pair paths (the others split columns)."""
+    gen = make_generator("token-split", op, dtypes, batch)
     call = expand_call(
         op,
         dtypes,
-        batch=301,
+        batch=batch,
         rank=16,
-        w_rows=131,
-        out_width=131,
+        w_rows=331,
+        out_width=331,
         loras=3,
         pattern="mixed" if op.startswith("bgmv") else "distinct",
         add=True,
         gen=gen,
     )
-    assert tokens_on_adapter(call, None) >= SPLIT_TOKENS_PER_THREAD * threads
+    per_thread = SPLIT_TOKENS_PER_THREAD.get(isa, 64)
+    splits = tokens_on_adapter(call, None) >= per_thread * threads
+    assert splits == (batch == 301 or per_thread == 16)
     check(call, isa, run=lambda c: run_kernel(c, isa, threads=threads))
 
 

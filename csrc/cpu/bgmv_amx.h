@@ -470,8 +470,9 @@ void RunAmx(const LoraArgs& a, const WorkItem* items, int64_t begin,
 inline IsaKernels MakeAmxKernels() {
   constexpr KernelFn kDot = &RunDot<AmxVec>;
   constexpr KernelFn kPack = &RunPack<AmxVec>;
+  // Not measured with AMX tiles, which need 32 tokens: the general rule.
   return IsaKernels{&RunAmx<kDot, kPack, false>, &RunAmx<kDot, kPack, true>,
-                    true};
+                    true, kSplitTokensPerThread};
 }
 
 }  // namespace vllm_cpu_lora::VLLM_CPU_LORA_ISA_NS

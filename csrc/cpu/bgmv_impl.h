@@ -20,6 +20,7 @@
 #include "kernel_interface.h"
 #include "kernel_isa_namespace.h"
 #include "kernel_pack.h"
+#include "tuning.h"
 
 namespace vllm_cpu_lora::VLLM_CPU_LORA_ISA_NS {
 
@@ -43,7 +44,8 @@ void RunPack(const LoraArgs& a, const WorkItem* items, int64_t begin,
 
 template <class V>
 IsaKernels MakeKernels() {
-  return IsaKernels{&RunDot<V>, &RunPack<V>, V::kBf16Dot};
+  return IsaKernels{&RunDot<V>, &RunPack<V>, V::kBf16Dot,
+                    SplitTokensPerThread(V::kBf16Dot)};
 }
 
 }  // namespace vllm_cpu_lora::VLLM_CPU_LORA_ISA_NS

@@ -69,7 +69,7 @@ const CpuFeatures& Features() {
 
 // The kernels of a path this build lacks (its weak accessor is null) are null.
 IsaKernels KernelsIfBuilt(IsaKernels (*kernels)()) {
-  return kernels != nullptr ? kernels() : IsaKernels{nullptr, nullptr, false};
+  return kernels != nullptr ? kernels() : IsaKernels{};
 }
 
 // Whether this build has the path's kernels (build_isas.py).

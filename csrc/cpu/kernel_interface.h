@@ -64,6 +64,9 @@ struct IsaKernels {
   KernelFn dot;
   KernelFn pack;
   bool bf16_pairs;  // bf16 pair products (vdpbf16ps, AMX, BFDOT).
+  // Parallel expands of this many tokens a thread or more split the tokens
+  // among the threads (tuning.h).
+  int64_t split_tokens_per_thread;
 };
 
 // One accessor per ISA translation unit; all but scalar's are built on their

@@ -152,7 +152,8 @@ void Run(const Product& p, c10::ArrayRef<Group> groups,
   // whole output rows; else the column blocks are halved until there are a
   // few items per thread.
   const bool split_tokens =
-      parallel && pack && total_tokens >= kSplitTokensPerThread * threads;
+      parallel && pack &&
+      total_tokens >= kernels.split_tokens_per_thread * threads;
   if (parallel && pack && !split_tokens) {
     while (m_blocks * ((p.n + n_block - 1) / n_block) < 4 * threads &&
            n_block > kColumnAlign) {

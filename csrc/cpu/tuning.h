@@ -47,11 +47,16 @@ constexpr int64_t kExpandOutputMacs = 8;
 // Tokens per work item: a multiple of every token tile height.
 constexpr int64_t kWorkItemTokens = 64;
 
-// Parallel expands of at least this many tokens per thread split the tokens
-// among the threads, each writing whole output rows: two threads writing
-// parts of the same rows ran up to 3x slower, depending on where the rows
-// lie in memory (#expand-row-split).
+// Parallel expands of at least SplitTokensPerThread tokens per thread split
+// the tokens among the threads, each writing whole output rows: two threads
+// writing parts of the same rows ran 1.2-3x slower than on rows of their
+// own; fewer tokens a thread cost the fp32-FMA kernels more than that below
+// 64, the bf16 pair kernels below 16, where the rows tiles take over
+// (#expand-row-split). `bf16_pairs`: vdpbf16ps or BFDOT kernels.
 constexpr int64_t kSplitTokensPerThread = 64;
+constexpr int64_t SplitTokensPerThread(bool bf16_pairs) {
+  return bf16_pairs ? 16 : kSplitTokensPerThread;
+}
 
 // Expand items span as many columns as keep their packed weights within
 // about half of this CPU's L2 (#expand-column-blocks), assumed this size
