@@ -188,7 +188,8 @@ void Run(const Product& p, c10::ArrayRef<Group> groups,
   const int64_t num_groups = static_cast<int64_t>(groups.size());
   // split_tokens: thread j's items are [thread_items[j], thread_items[j+1]),
   // tokens [j * total / threads, (j + 1) * total / threads) of the groups'
-  // tokens in order (a share of 64 tokens or more is never empty).
+  // tokens in order (never empty: each holds split_tokens_per_thread or
+  // more).
   c10::SmallVector<int64_t, 16> thread_items;
   if (split_tokens) {
     thread_items.push_back(0);
