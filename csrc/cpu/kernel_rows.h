@@ -147,6 +147,12 @@ struct RowsKernel : KernelTypes<V, TX, TW, TO> {
     return kSplit ? kSplitElems : LoadElems();
   }
 
+  // Elements of a weight row of G lanes: pairs or halves hold two a lane.
+  template <int G>
+  static constexpr int64_t GroupRowElems() {
+    return (kPairs || kSplit) ? 2 * G : G;
+  }
+
   // Lanes per weight row when several short rows share a vector (G of the
   // kL lanes each: bf16 pairs or halves, or fp32 elements), 0 where that
   // does not apply: the rows must be contiguous and G in {4, 8}, less than
@@ -198,8 +204,8 @@ struct RowsKernel : KernelTypes<V, TX, TW, TO> {
   // product each with the token's inputs repeated per row (xr), and
   // V::SumGroups sums each row's G lanes into its output lane.
   template <int G>
-  static F RowsGroupTile(const TW* wa, int64_t k, int64_t n, int nr,
-                         const GV& xr) {
+  static F RowsGroupTile(const TW* wa, int64_t n, int nr, const GV& xr) {
+    constexpr int64_t k = GroupRowElems<G>();
     const TW* tile = wa + n * k;
     const int64_t valid = nr * k;
     F acc[G];
@@ -233,7 +239,7 @@ struct RowsKernel : KernelTypes<V, TX, TW, TO> {
         // Token i's whole tile of rows [m, m + kL).
         auto whole_tile = [&](int64_t m, int64_t i) {
           if constexpr (kG > 0) {
-            return RowsGroupTile<kG>(wa, a.k, m, kL, xr[i]);
+            return RowsGroupTile<kG>(wa, m, kL, xr[i]);
           } else {
             return RowsTileFixed<kK>(wa + m * kK, xc + i * rows);
           }
@@ -253,7 +259,7 @@ struct RowsKernel : KernelTypes<V, TX, TW, TO> {
         for (int64_t i = 0; i < count; ++i) {
           F r;
           if constexpr (kG > 0) {
-            r = RowsGroupTile<kG>(wa, a.k, n, nr, xr[i]);
+            r = RowsGroupTile<kG>(wa, n, nr, xr[i]);
           } else if constexpr (kK > 0) {
             r = nr == kL ? RowsTileFixed<kK>(wa + n * kK, xc + i * rows)
                          : RowsTile(a, wa, xc + i * rows, n, nr);

@@ -66,7 +66,8 @@ struct VecAvx2 {
   }
 
   // Lane j of the result = the sum of the lanes of acc[j] (transpose-add).
-  static F SumLanes(const F (&acc)[kLanes]) {
+  // Always inlined: GCC otherwise calls it, spilling acc to the stack.
+  [[gnu::always_inline]] static F SumLanes(const F (&acc)[kLanes]) {
     F c[4], d[2];
     for (int i = 0; i < 4; ++i) {
       c[i] = _mm256_add_ps(_mm256_unpacklo_ps(acc[2 * i], acc[2 * i + 1]),
