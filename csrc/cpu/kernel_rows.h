@@ -228,27 +228,33 @@ struct RowsKernel : KernelTypes<V, TX, TW, TO> {
     auto sweep = [&](auto lanes, auto fixed_k) {
       constexpr int kG = decltype(lanes)::value;
       constexpr int kK = decltype(fixed_k)::value;
+      // The pointers as locals, not captures: the vector stores may alias
+      // anything, and captured pointers were reloaded after each of them.
+      const TW* const w = wa;
+      const PackT* const x = xc;
+      const int64_t* const tokens = tok;
+      TO* const o_base = out;
       // The inputs repeated once per row of a GV (grouped tiles only).
       GV xr[kRowsMaxTokens];
       if constexpr (kG > 0) {
         for (int64_t i = 0; i < count; ++i)
-          xr[i] = RepeatInputs<kG>(xc + i * rows);
+          xr[i] = RepeatInputs<kG>(x + i * rows);
       }
       int64_t n = n0;
       if constexpr ((kG > 0 || kK > 0) && RowsTwoTiles(kL, kK, kG > 0)) {
         // Token i's whole tile of rows [m, m + kL).
         auto whole_tile = [&](int64_t m, int64_t i) {
           if constexpr (kG > 0) {
-            return RowsGroupTile<kG>(wa, m, kL, xr[i]);
+            return RowsGroupTile<kG>(w, m, kL, xr[i]);
           } else {
-            return RowsTileFixed<kK>(wa + m * kK, xc + i * rows);
+            return RowsTileFixed<kK>(w + m * kK, x + i * rows);
           }
         };
         for (; n + 2 * kL <= n1; n += 2 * kL) {
           for (int64_t i = 0; i < count; ++i) {
             const F r0 = whole_tile(n, i);
             const F r1 = whole_tile(n + kL, i);
-            TO* o = out + tok[i] * a.out_row_stride + n;
+            TO* o = o_base + tokens[i] * a.out_row_stride + n;
             Base::StoreVec(a, o, r0, kL);
             Base::StoreVec(a, o + kL, r1, kL);
           }
@@ -259,14 +265,14 @@ struct RowsKernel : KernelTypes<V, TX, TW, TO> {
         for (int64_t i = 0; i < count; ++i) {
           F r;
           if constexpr (kG > 0) {
-            r = RowsGroupTile<kG>(wa, n, nr, xr[i]);
+            r = RowsGroupTile<kG>(w, n, nr, xr[i]);
           } else if constexpr (kK > 0) {
-            r = nr == kL ? RowsTileFixed<kK>(wa + n * kK, xc + i * rows)
-                         : RowsTile(a, wa, xc + i * rows, n, nr);
+            r = nr == kL ? RowsTileFixed<kK>(w + n * kK, x + i * rows)
+                         : RowsTile(a, w, x + i * rows, n, nr);
           } else {
-            r = RowsTile(a, wa, xc + i * rows, n, nr);
+            r = RowsTile(a, w, x + i * rows, n, nr);
           }
-          StoreVec(a, out + tok[i] * a.out_row_stride + n, r, nr);
+          StoreVec(a, o_base + tokens[i] * a.out_row_stride + n, r, nr);
         }
       }
     };
