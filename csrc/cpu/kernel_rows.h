@@ -161,10 +161,10 @@ struct RowsKernel : KernelTypes<V, TX, TW, TO> {
     if constexpr (!V::kRowGroups) {
       return 0;
     } else {
-      constexpr bool kHalves = kPairs || kSplit;
-      const int64_t lanes = kHalves ? a.k / 2 : a.k;
+      constexpr int64_t kLaneElems = GroupRowElems<1>();
+      const int64_t lanes = a.k / kLaneElems;
       const bool fits = (lanes == 4 || lanes == 8) && lanes < kL &&
-                        (!kHalves || a.k % 2 == 0) && a.w_row_stride == a.k;
+                        a.k % kLaneElems == 0 && a.w_row_stride == a.k;
       return fits ? static_cast<int>(lanes) : 0;
     }
   }
@@ -222,7 +222,6 @@ struct RowsKernel : KernelTypes<V, TX, TW, TO> {
   static void Run(const LoraArgs& a, const TW* wa, const PackT* xc,
                   int64_t rows, const int64_t* tok, int64_t count, int64_t n0,
                   int64_t n1, int group_lanes) {
-    TO* out = static_cast<TO*>(a.out);
     // kG: grouped tiles of kG lanes per row; else kK > 0: whole tiles of
     // contiguous kK-element rows through RowsTileFixed.
     auto sweep = [&](auto lanes, auto fixed_k) {
@@ -233,7 +232,7 @@ struct RowsKernel : KernelTypes<V, TX, TW, TO> {
       const TW* const w = wa;
       const PackT* const x = xc;
       const int64_t* const tokens = tok;
-      TO* const o_base = out;
+      TO* const out = static_cast<TO*>(a.out);
       // The inputs repeated once per row of a GV (grouped tiles only).
       GV xr[kRowsMaxTokens];
       if constexpr (kG > 0) {
@@ -254,7 +253,7 @@ struct RowsKernel : KernelTypes<V, TX, TW, TO> {
           for (int64_t i = 0; i < count; ++i) {
             const F r0 = whole_tile(n, i);
             const F r1 = whole_tile(n + kL, i);
-            TO* o = o_base + tokens[i] * a.out_row_stride + n;
+            TO* o = out + tokens[i] * a.out_row_stride + n;
             Base::StoreVec(a, o, r0, kL);
             Base::StoreVec(a, o + kL, r1, kL);
           }
@@ -272,7 +271,7 @@ struct RowsKernel : KernelTypes<V, TX, TW, TO> {
           } else {
             r = RowsTile(a, w, x + i * rows, n, nr);
           }
-          StoreVec(a, o_base + tokens[i] * a.out_row_stride + n, r, nr);
+          StoreVec(a, out + tokens[i] * a.out_row_stride + n, r, nr);
         }
       }
     };
