@@ -1222,13 +1222,15 @@ def test_shrink_split_k(op, dtypes, isa):
 
 # kSplitTokensPerThread and SplitTokensPerThread(bf16 pairs) in tuning.h.
 SPLIT_TOKENS_PER_THREAD = {"avx512_bf16": 16, "neon_bf16": 16}
+# The parallel expands' splits: fp32 inputs with bf16 weights and output, and
+# all fp32; 2 and 3 threads (the 3 share 2 CPUs here).
+SPLIT_DTYPES = ((F32, BF16, BF16), (F32, F32, F32))
+SPLIT_THREADS = (2, 3)
 
 
-@pytest.mark.parametrize("threads", (2, 3))
+@pytest.mark.parametrize("threads", SPLIT_THREADS)
 @pytest.mark.parametrize("batch", (301, 97))
-@pytest.mark.parametrize(
-    "dtypes", ((F32, BF16, BF16), (F32, F32, F32)), ids=dtypes_id
-)
+@pytest.mark.parametrize("dtypes", SPLIT_DTYPES, ids=dtypes_id)
 @pytest.mark.parametrize("op", EXPAND_OPS)
 def test_expand_token_split(op, dtypes, batch, threads, isa):
     """A parallel expand of enough tokens per thread (64; 16 on the bf16
@@ -1253,6 +1255,41 @@ def test_expand_token_split(op, dtypes, batch, threads, isa):
     per_thread = SPLIT_TOKENS_PER_THREAD.get(isa, 64)
     splits = tokens_on_adapter(call, None) >= per_thread * threads
     assert splits == (batch == 301 or per_thread == 16)
+    check(call, isa, run=lambda c: run_kernel(c, isa, threads=threads))
+
+
+# kParallelMacs in tuning.h.
+PARALLEL_MACS = 1 << 17
+
+
+@pytest.mark.parametrize("threads", SPLIT_THREADS)
+@pytest.mark.parametrize("loras", (1, 3))
+@pytest.mark.parametrize("dtypes", SPLIT_DTYPES, ids=dtypes_id)
+@pytest.mark.parametrize("op", EXPAND_OPS)
+def test_expand_column_split(op, dtypes, loras, threads, isa):
+    """A parallel expand of too few tokens to split them gives each thread an
+    equal share of the outputs, cut between column blocks of 64 or moved to
+    a group's edge: 15 tokens in add mode (bgmv with -1 rows, sgmv in random
+    segments) at rank 32 into 2001 columns; on one adapter the shares end
+    inside its columns, on 3 inside groups or at their edges; 2 and 3
+    threads (the 3 share 2 CPUs here)."""
+    gen = make_generator("column-split", op, dtypes, loras)
+    call = expand_call(
+        op,
+        dtypes,
+        batch=15,
+        rank=32,
+        w_rows=2001,
+        out_width=2003,
+        loras=loras,
+        pattern="mixed" if op.startswith("bgmv") else "distinct",
+        add=True,
+        gen=gen,
+    )
+    tokens = tokens_on_adapter(call, None)
+    rank, columns = call.args[0].shape[1], call.args[1].shape[-2]
+    assert tokens * columns * rank >= PARALLEL_MACS
+    assert tokens < SPLIT_TOKENS_PER_THREAD.get(isa, 64) * threads
     check(call, isa, run=lambda c: run_kernel(c, isa, threads=threads))
 
 

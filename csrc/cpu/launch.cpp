@@ -149,18 +149,12 @@ void Run(const Product& p, c10::ArrayRef<Group> groups,
                                               kColumnAlign * kColumnAlign));
   }
   // Expand: with enough tokens each thread takes an equal share of them,
-  // whole output rows; else the column blocks are halved until there are a
-  // few items per thread.
+  // whole output rows; else an equal share of the outputs (tokens x
+  // columns), cut between whole cache lines of columns.
   const bool split_tokens =
       parallel && pack &&
       total_tokens >= kernels.split_tokens_per_thread * threads;
-  if (parallel && pack && !split_tokens) {
-    while (m_blocks * ((p.n + n_block - 1) / n_block) < 4 * threads &&
-           n_block > kColumnAlign) {
-      n_block = std::max(kColumnAlign, (n_block / 2 + kColumnAlign - 1) /
-                                           kColumnAlign * kColumnAlign);
-    }
-  }
+  const bool split_columns = parallel && pack && !split_tokens;
   // Shrink keeps whole rows per item: split among threads, every part would
   // redo the per-token work (the AMX tiles interleave each token row once
   // per item) for a part of the few outputs. With fewer token blocks than
@@ -172,24 +166,27 @@ void Run(const Product& p, c10::ArrayRef<Group> groups,
                         a.out_dtype == DType::kBFloat16;
   const bool split_k = parallel && !pack && m_blocks < threads && !rounds_x;
   c10::SmallVector<WorkItem, 32> items;
-  // A thread's share may cut a token block in two.
-  items.reserve((m_blocks + (split_tokens ? threads : 0)) *
+  // A thread's share may cut a token block or a column block in two.
+  items.reserve((m_blocks + (split_tokens || split_columns ? threads : 0)) *
                 ((p.n + n_block - 1) / n_block));
-  // Items of group gi's tokens [m0, m1). Token blocks innermost: consecutive
-  // items of a column block share its packed weights (PackedBlocks).
-  auto add_items = [&](int64_t gi, int64_t m0, int64_t m1) {
-    for (int64_t n = 0; n < p.n; n += n_block) {
+  // Items of group gi's tokens [m0, m1) and columns [n0, n1). Token blocks
+  // innermost: consecutive items of a column block share its packed weights
+  // (PackedBlocks).
+  auto add_items = [&](int64_t gi, int64_t m0, int64_t m1, int64_t n0,
+                       int64_t n1) {
+    for (int64_t n = n0; n < n1; n += n_block) {
       for (int64_t m = m0; m < m1; m += kWorkItemTokens) {
         items.push_back(WorkItem{gi, m, std::min(m + kWorkItemTokens, m1), n,
-                                 std::min(n + n_block, p.n)});
+                                 std::min(n + n_block, n1)});
       }
     }
   };
   const int64_t num_groups = static_cast<int64_t>(groups.size());
-  // split_tokens: thread j's items are [thread_items[j], thread_items[j+1]),
+  // Thread j's items are [thread_items[j], thread_items[j+1]). split_tokens:
   // tokens [j * total / threads, (j + 1) * total / threads) of the groups'
   // tokens in order (never empty: each holds split_tokens_per_thread or
-  // more).
+  // more). split_columns: the same share of the groups' outputs in order,
+  // group by group, each group's columns in order.
   c10::SmallVector<int64_t, 16> thread_items;
   if (split_tokens) {
     thread_items.push_back(0);
@@ -200,7 +197,7 @@ void Run(const Product& p, c10::ArrayRef<Group> groups,
         const int64_t j = static_cast<int64_t>(thread_items.size()) - 1;
         const int64_t share_end = (j + 1) * total_tokens / threads;
         const int64_t m1 = std::min(count, share_end - first);
-        add_items(gi, m, m1);
+        add_items(gi, m, m1, 0, p.n);
         m = m1;
         if (first + m == share_end) {
           thread_items.push_back(static_cast<int64_t>(items.size()));
@@ -208,9 +205,39 @@ void Run(const Product& p, c10::ArrayRef<Group> groups,
       }
       first += count;
     }
+  } else if (split_columns) {
+    thread_items.push_back(0);
+    const int64_t outputs = total_tokens * p.n;
+    int64_t first = 0;  // Group gi's first output in that order.
+    for (int64_t gi = 0; gi < num_groups; ++gi) {
+      const int64_t count = groups[gi].token_count;
+      int64_t n0 = 0;
+      // The shares ending within this group cut its columns.
+      for (int64_t j = static_cast<int64_t>(thread_items.size()); j < threads;
+           ++j) {
+        const int64_t share_end = j * outputs / threads;
+        const int64_t before = share_end - first;
+        const int64_t after = first + count * p.n - share_end;
+        if (after <= 0) break;
+        // Two threads writing parts of the same rows cost about a quarter
+        // more (#expand-row-split): within a fifth of a group's edge, the
+        // imbalance of ending the share there costs less.
+        int64_t cut =
+            (before / count + kColumnAlign / 2) / kColumnAlign * kColumnAlign;
+        if (4 * before < after) cut = 0;
+        if (4 * after < before) cut = p.n;
+        const int64_t n1 = std::clamp(cut, n0, p.n);
+        add_items(gi, 0, count, n0, n1);
+        n0 = n1;
+        thread_items.push_back(static_cast<int64_t>(items.size()));
+      }
+      add_items(gi, 0, count, n0, p.n);
+      first += count * p.n;
+    }
+    thread_items.push_back(static_cast<int64_t>(items.size()));
   } else {
     for (int64_t gi = 0; gi < num_groups; ++gi) {
-      add_items(gi, 0, groups[gi].token_count);
+      add_items(gi, 0, groups[gi].token_count, 0, p.n);
     }
   }
   const int64_t num_items = static_cast<int64_t>(items.size());
@@ -218,7 +245,7 @@ void Run(const Product& p, c10::ArrayRef<Group> groups,
     RunSplitK(a, fn, items, groups, tokens, p.x.size(0), p.n, threads);
   } else if (!parallel) {
     fn(a, items.data(), 0, num_items);
-  } else if (split_tokens) {
+  } else if (split_tokens || split_columns) {
     at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
       for (int64_t j = begin; j < end; ++j) {
         fn(a, items.data(), thread_items[j], thread_items[j + 1]);
