@@ -219,13 +219,10 @@ void Run(const Product& p, c10::ArrayRef<Group> groups,
         const int64_t before = share_end - first;
         const int64_t after = first + count * p.n - share_end;
         if (after <= 0) break;
-        // Two threads writing parts of the same rows cost about a quarter
-        // more (#expand-row-split): within a fifth of a group's edge, the
-        // imbalance of ending the share there costs less.
         int64_t cut =
             (before / count + kColumnAlign / 2) / kColumnAlign * kColumnAlign;
-        if (4 * before < after) cut = 0;
-        if (4 * after < before) cut = p.n;
+        if (ShareEndsAtEdge(before, after)) cut = 0;
+        if (ShareEndsAtEdge(after, before)) cut = p.n;
         const int64_t n1 = std::clamp(cut, n0, p.n);
         add_items(gi, 0, count, n0, n1);
         n0 = n1;

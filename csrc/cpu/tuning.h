@@ -58,6 +58,15 @@ constexpr int64_t SplitTokensPerThread(bool bf16_pairs) {
   return bf16_pairs ? 16 : kSplitTokensPerThread;
 }
 
+// Parallel expands of fewer tokens give each thread an equal share of the
+// outputs (tokens x columns); a share ending `near` outputs from one edge of a
+// group and `far` from the other ends at the near edge when near is under a
+// quarter of far: two threads writing parts of the same rows cost about a
+// quarter more, more than that imbalance (#expand-column-split).
+constexpr bool ShareEndsAtEdge(int64_t near, int64_t far) {
+  return 4 * near < far;
+}
+
 // Expand items span as many columns as keep their packed weights within
 // about half of this CPU's L2 (#expand-column-blocks), assumed this size
 // where the OS does not tell; blocks are whole cache lines.
