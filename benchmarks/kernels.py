@@ -20,9 +20,11 @@ Speed is reported as ratios of medians measured side by side in one process:
 The implementations are interleaved round by round (the order rotates), each
 sample runs a call in a loop long enough to time, and each median is taken
 over many rounds after warm-up; rounds are bounded by a time budget so the
-slow reference cases finish. Every case is checked once against the
-reference before it is timed. The one absolute time quoted is the fixed cost
-of a tiny B=1 call, which has an absolute target.
+slow reference cases finish, and spread over several passes through all
+cases so that a slow spell of a shared machine does not take all of a case's
+rounds. Every case is checked once against the reference before it is timed.
+The one absolute time quoted is the fixed cost of a tiny B=1 call, which has
+an absolute target.
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ _PREFILL_TOKENS = 2048
 _PREFILL_SEGMENTS = 4
 
 IMPLS = ("ours", "reference", "grouped")
+# Passes through all cases sharing each case's rounds (timing.measure_spread).
+_PASSES = 3
 
 # ------------------------------------------------------------------ cases
 
@@ -278,12 +282,13 @@ def run_cases(
     isa_path: str,
     budget_s: float,
     sample_s: float,
+    passes: int,
 ) -> tuple[list[dict[str, Any]], list[str]]:
-    """Checks and times every case with the current torch thread count."""
+    """Checks every case, then times them all with the current threads."""
     threads = torch.get_num_threads()
-    bf16_peak, bf16_peak_name = limits.bf16_peak(isa_path)
-    results, failures = [], []
-    for i, case in enumerate(common.progress(cases, f"{threads} thread(s)")):
+    checked, failures = [], []
+    desc = f"{threads} thread(s), checking"
+    for i, case in enumerate(common.progress(cases, desc)):
         prep = prepare(case, seed=i)
         try:
             errors, first = check(prep)
@@ -291,48 +296,70 @@ def run_cases(
             failures.append(f"{case.label} (threads {threads}): {exc}")
             common.say(f"  {case.label:<36} CHECK FAILED: {exc}")
             continue
-        timed = timing.measure_interleaved(
-            prep.calls, budget_s, sample_s, first_call_s=first
-        )
-        med = {name: timed[name]["median_s"] for name in IMPLS}
-        bandwidth, level = limits.bandwidth_for(prep.bytes)
-        mem_s = prep.bytes / bandwidth
-        peak, peak_name = limits.peak_for(isa_path, case.dtype == "bf16")
-        flop_s = prep.flops / peak
-        bound = max(mem_s, flop_s)
-        result = {
-            "label": case.label,
-            **dataclasses.asdict(case),
-            "family": case.family,
-            "core": case.core,
-            "hidden": HIDDEN,
-            "threads": threads,
-            "adapters_used": prep.adapters_used,
-            "bytes": prep.bytes,
-            "flops": prep.flops,
-            "bandwidth_level": level,
-            "compute_peak": peak_name,
-            "bf16_peak": bf16_peak_name,
-            "bound_s": bound,
-            "bound_by": "memory" if mem_s >= flop_s else "compute",
-            "timing": timed,
-            "median_s": med,
-            "check_rel_error": errors,
-            "speedup_vs_reference": med["reference"] / med["ours"],
-            "speedup_vs_grouped": med["grouped"] / med["ours"],
-            "grouped_vs_reference": med["reference"] / med["grouped"],
-            "fraction_of_bound": bound / med["ours"],
-            "fraction_of_bf16_peak": prep.flops / med["ours"] / bf16_peak,
-        }
-        results.append(result)
+        checked.append((case, prep, errors, first))
+    common.say(f"  timing {len(checked)} cases in {passes} pass(es)")
+    timings = timing.measure_spread(
+        [prep.calls for _, prep, _, _ in checked],
+        passes,
+        budget_s,
+        sample_s,
+        first_call_s=[first for *_, first in checked],
+    )
+    results = [
+        _result(case, prep, errors, timed, limits, isa_path)
+        for (case, prep, errors, _), timed in zip(checked, timings, strict=True)
+    ]
+    for result in results:
         common.say(
-            f"  {case.label:<40} vs ref {result['speedup_vs_reference']:8.1f}x"
-            f"  vs grouped {result['speedup_vs_grouped']:7.2f}x"
-            f"  bound {100 * result['fraction_of_bound']:6.1f}%"
-            f" ({level}, {result['bound_by']})"
+            f"  {result['label']:<40} vs ref "
+            f"{result['speedup_vs_reference']:8.1f}x  vs grouped "
+            f"{result['speedup_vs_grouped']:7.2f}x  bound "
+            f"{100 * result['fraction_of_bound']:6.1f}% "
+            f"({result['bandwidth_level']}, {result['bound_by']})"
         )
-        del prep
     return results, failures
+
+
+def _result(
+    case: Case,
+    prep: Prepared,
+    errors: dict[str, float],
+    timed: dict[str, dict[str, Any]],
+    limits: machine.Limits,
+    isa_path: str,
+) -> dict[str, Any]:
+    """One case's row: its timings as ratios and fractions of its bound."""
+    bf16_peak, bf16_peak_name = limits.bf16_peak(isa_path)
+    med = {name: timed[name]["median_s"] for name in IMPLS}
+    bandwidth, level = limits.bandwidth_for(prep.bytes)
+    mem_s = prep.bytes / bandwidth
+    peak, peak_name = limits.peak_for(isa_path, case.dtype == "bf16")
+    flop_s = prep.flops / peak
+    bound = max(mem_s, flop_s)
+    return {
+        "label": case.label,
+        **dataclasses.asdict(case),
+        "family": case.family,
+        "core": case.core,
+        "hidden": HIDDEN,
+        "threads": torch.get_num_threads(),
+        "adapters_used": prep.adapters_used,
+        "bytes": prep.bytes,
+        "flops": prep.flops,
+        "bandwidth_level": level,
+        "compute_peak": peak_name,
+        "bf16_peak": bf16_peak_name,
+        "bound_s": bound,
+        "bound_by": "memory" if mem_s >= flop_s else "compute",
+        "timing": timed,
+        "median_s": med,
+        "check_rel_error": errors,
+        "speedup_vs_reference": med["reference"] / med["ours"],
+        "speedup_vs_grouped": med["grouped"] / med["ours"],
+        "grouped_vs_reference": med["reference"] / med["grouped"],
+        "fraction_of_bound": bound / med["ours"],
+        "fraction_of_bf16_peak": prep.flops / med["ours"] / bf16_peak,
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -357,6 +384,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cases = build_cases(args.quick)
     budget_s = 0.15 if args.quick else 0.5
     sample_s = 1e-3 if args.quick else 2e-3
+    passes = 1 if args.quick else _PASSES
 
     limits: dict[int, machine.Limits] = {}
     fixed: dict[int, dict[str, float]] = {}
@@ -381,7 +409,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"torch.ops {fixed[threads]['torch_ops']:.2f} us"
             )
             res, fails = run_cases(
-                cases, lim, info["isa_path"], budget_s, sample_s
+                cases, lim, info["isa_path"], budget_s, sample_s, passes
             )
             results += res
             failures += fails
@@ -390,7 +418,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     info["load_average_end"] = machine.load_average()
     run = kernels_report.Run(
-        info, limits, fixed, results, failures, args.quick, all_threads
+        info, limits, fixed, results, failures, args.quick, all_threads, passes
     )
     run.elapsed_s = time.perf_counter() - started
     kernels_report.finish(run, out_dir)

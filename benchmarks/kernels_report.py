@@ -34,6 +34,7 @@ class Run:
     failures: list[str]
     quick: bool
     all_threads: int
+    passes: int
     elapsed_s: float = 0.0
 
 
@@ -220,8 +221,11 @@ def markdown_lines(
         "`torch.mm` per adapter in a Python loop).",
         "- Interleaved rounds, order rotating, medians over rounds; each "
         "sample follows at least 5 ms of untimed calls of the same "
-        "implementation (its steady state); each case checked once against "
-        "the reference first.",
+        "implementation (its steady state); every case checked once against "
+        f"the reference first. Each case's rounds are spread over "
+        f"{run.passes} pass(es) through all cases, so that a slow spell of "
+        "the shared machine, seconds long, falls on part of many cases' "
+        "rounds rather than on all of a few cases' rounds.",
         "- bgmv (decode): x bf16 [T, 4096], A bf16 [L, r, 4096] -> fp32 "
         "[T, r]; expand y fp32 [T, r], B bf16 [L, N, r] -> bf16 [T, N] with "
         "add_inputs; a random adapter per token.",
@@ -335,6 +339,7 @@ def finish(run: Run, out_dir: pathlib.Path) -> None:
         {
             "machine": run.machine,
             "quick": run.quick,
+            "passes": run.passes,
             "elapsed_s": run.elapsed_s,
             "limits": {
                 str(t): dataclasses.asdict(v) for t, v in run.limits.items()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import gc
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 
@@ -61,75 +61,126 @@ def interleave(
     return samples
 
 
+def _rounds_done(
+    budget_s: float, min_rounds: int, slow_min_rounds: int, max_rounds: int
+) -> Callable[[int, float], bool]:
+    """interleave's done: budget_s spent once min_rounds are, or max_rounds.
+
+    min_rounds drops to slow_min_rounds when the first round alone took a
+    quarter of the budget.
+    """
+    least = min_rounds
+
+    def done(rounds: int, elapsed: float) -> bool:
+        nonlocal least
+        if rounds == 1 and elapsed > budget_s / 4:
+            least = slow_min_rounds
+        return rounds >= max_rounds or (rounds >= least and elapsed >= budget_s)
+
+    return done
+
+
 def measure_interleaved(
     calls: dict[str, Callable[[], None]],
     budget_s: float,
     sample_s: float,
     max_rounds: int = 200,
     first_call_s: dict[str, float] | None = None,
-    settle_s: float = 5e-3,
 ) -> dict[str, dict[str, Any]]:
     """Median seconds per call of each callable, measured round-robin.
 
-    Each round takes one sample of every callable (the order rotates from
-    round to round); a sample is a loop of calls lasting about sample_s,
-    preceded by untimed calls of the same callable for at least settle_s
-    (one at least), so that it is timed in its own steady state: its
-    working set hot, and what the previous callable left behind gone (a
+    measure_spread of one case in one pass; see there.
+    """
+    first = [first_call_s] if first_call_s else None
+    return measure_spread([calls], 1, budget_s, sample_s, max_rounds, first)[0]
+
+
+def measure_spread(
+    cases: Sequence[dict[str, Callable[[], None]]],
+    passes: int,
+    budget_s: float,
+    sample_s: float,
+    max_rounds: int = 200,
+    first_call_s: Sequence[dict[str, float]] | None = None,
+    settle_s: float = 5e-3,
+) -> list[dict[str, dict[str, Any]]]:
+    """Median seconds per call of each case's callables, in spread rounds.
+
+    Within a case, each round takes one sample of every callable (the order
+    rotates from round to round); a sample is a loop of calls lasting about
+    sample_s, preceded by untimed calls of the same callable for at least
+    settle_s (one at least), so that it is timed in its own steady state:
+    its working set hot, and what the previous callable left behind gone (a
     reference call writes tens of MB, whose write-backs slow whatever runs
-    in the next few milliseconds). Rounds stop once budget_s is spent (at
-    least 7 rounds, 3 when one round alone takes a good part of the budget).
+    in the next few milliseconds).
+
+    The rounds of a case are spread over `passes` passes through all cases,
+    each pass spending budget_s / passes on it: a slow spell of a shared
+    machine (seconds long) then falls on one pass of many cases rather than
+    on every round of a few. A case takes at least 7 rounds in all (3 when
+    one round alone takes a good part of its pass).
 
     Args:
-        calls: the callables, already called once (warm).
-        budget_s: time to spend on rounds once the minimum is reached.
+        cases: per case, its callables, already called once (warm).
+        passes: passes through all cases.
+        budget_s: time to spend on a case's rounds once its minimum is done.
         sample_s: duration of one sample.
-        max_rounds: the most rounds.
-        first_call_s: how long a first call took; a callable slower than
-            50 ms is sized from it instead of a second warm-up call.
+        max_rounds: the most rounds of a case.
+        first_call_s: per case, how long each first call took; a callable
+            slower than 50 ms is sized from it instead of a second warm-up
+            call.
         settle_s: least duration of the untimed calls before a sample.
 
     Returns:
-        Per callable: median_s, rounds, calls_per_sample.
+        Per case, per callable: median_s, rounds, calls_per_sample.
     """
-    first_call_s = first_call_s or {}
-    inner = {}
-    for name, fn in calls.items():
-        once = first_call_s.get(name, 0.0)
-        if once < 0.05:
-            once = time_calls(fn, 1)  # Second warm-up, and a size.
-        inner[name] = max(1, min(100_000, int(sample_s / once)))
+    inner: list[dict[str, int]] = []
+    for i, calls in enumerate(cases):
+        first = first_call_s[i] if first_call_s else {}
+        inner.append({})
+        for name, fn in calls.items():
+            once = first.get(name, 0.0)
+            if once < 0.05:
+                once = time_calls(fn, 1)  # Second warm-up, and a size.
+            inner[i][name] = max(1, min(100_000, int(sample_s / once)))
 
-    def sampler(name: str) -> Callable[[], float]:
+    def sampler(fn: Callable[[], None], count: int) -> Callable[[], float]:
         def sample() -> float:
-            fn = calls[name]
             settle = time.perf_counter() + settle_s
             fn()
             while time.perf_counter() < settle:
                 fn()
-            return time_calls(fn, inner[name])
+            return time_calls(fn, count)
 
         return sample
 
-    min_rounds = 7
-
-    def done(rounds: int, elapsed: float) -> bool:
-        nonlocal min_rounds
-        if rounds == 1 and elapsed > budget_s / 4:
-            min_rounds = 3
-        return rounds >= max_rounds or (
-            rounds >= min_rounds and elapsed >= budget_s
-        )
-
-    samples = interleave({name: sampler(name) for name in calls}, done)
-    return {
-        name: {
-            "median_s": statistics.median(samples[name]),
-            "rounds": len(samples[name]),
-            "calls_per_sample": inner[name],
+    samples: list[dict[str, list[float]]] = [
+        {name: [] for name in calls} for calls in cases
+    ]
+    for _ in range(passes):
+        for i, calls in enumerate(cases):
+            done = _rounds_done(
+                budget_s / passes,
+                -(-7 // passes),  # Ceiling division.
+                -(-3 // passes),
+                max(1, max_rounds // passes),
+            )
+            taken = interleave(
+                {n: sampler(fn, inner[i][n]) for n, fn in calls.items()}, done
+            )
+            for name, values in taken.items():
+                samples[i][name] += values
+    return [
+        {
+            name: {
+                "median_s": statistics.median(values),
+                "rounds": len(values),
+                "calls_per_sample": inner[i][name],
+            }
+            for name, values in case_samples.items()
         }
-        for name in calls
-    }
+        for i, case_samples in enumerate(samples)
+    ]
 
 
 def measure_rounds(
