@@ -14,7 +14,7 @@ import sys
 from collections.abc import Iterable, Sequence
 from typing import TypeVar
 
-from benchmarks import machine
+from benchmarks import allocator, machine
 
 _T = TypeVar("_T")
 
@@ -95,6 +95,8 @@ def start(
 ) -> tuple[argparse.Namespace, pathlib.Path, int, list[int]]:
     """A part's start: its arguments, output folder, and thread counts.
 
+    Also sets the process's allocator (allocator.keep_freed_memory).
+
     Returns:
         The parsed arguments, the output folder (created), torch's thread
         count (all threads) and the thread counts --threads asks for.
@@ -102,6 +104,7 @@ def start(
     import torch
 
     args = parse_args(argv, description, quick_help)
+    allocator.keep_freed_memory()
     all_threads = torch.get_num_threads()
     return (
         args,

@@ -27,6 +27,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from benchmarks import allocator
+
 _MIB = 1 << 20
 _GIB = 1 << 30
 _CPUINFO = pathlib.Path("/proc/cpuinfo")
@@ -228,6 +230,7 @@ def describe_machine(all_threads: int) -> dict[str, Any]:
             timespec="seconds"
         ),
         "load_average_start": load_average(),
+        "allocator": allocator.state(),
     }
 
 

@@ -149,7 +149,10 @@ def cpu_lines(
             f"; torch's own kernels: ATen `{m['torch_isa']}`, oneDNN "
             f"{m['onednn_max_isa']}"
         )
-    return [*lines, software]
+    lines.append(software)
+    if "allocator" in m:
+        lines.append(f"- Allocator: {m['allocator']}")
+    return lines
 
 
 def write_json(path: pathlib.Path, obj: Any) -> None:
