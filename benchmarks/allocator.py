@@ -5,9 +5,9 @@ allocation. glibc's malloc instead maps each block above its mmap threshold
 afresh and unmaps it on free; the threshold adapts to the blocks freed so
 far. The reference's per-call copies (tens of MB) then fault in new pages on
 every call, or not, depending on the process's history: the same reference
-call measured 2-4x apart from run to run (docs/benchmarking.md#steady-allocator).
-Raising the thresholds makes malloc reuse freed memory as TCMalloc does,
-whatever came before.
+call measured 2-4x apart from run to run
+(docs/benchmarking.md#steady-allocator). Raising the thresholds makes malloc
+reuse freed memory as TCMalloc does, whatever came before.
 """
 
 from __future__ import annotations
