@@ -54,7 +54,7 @@ _PREFILL_SEGMENTS = 4
 
 IMPLS = ("ours", "reference", "grouped")
 # Passes through all cases sharing each case's rounds (timing.measure_spread).
-_PASSES = 3
+_PASSES = 6
 
 # ------------------------------------------------------------------ cases
 
