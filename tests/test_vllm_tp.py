@@ -11,7 +11,8 @@ checked are, with fully_sharded_loras off and on:
   greedy tokens exactly, in eager and in vLLM's compiled mode;
 * every rank (`collective_rpc` returns one report per rank) used
   `PunicaWrapperCPULoRA`, and all ranks ran the same nonzero op calls;
-  compiled, every rank ran DYNAMO_TRACE_ONCE with one captured graph.
+  compiled, every rank ran DYNAMO_TRACE_ONCE with one captured graph;
+  eager, torch.compile compiled nothing but vLLM's own masking helper.
 
 Each child starts its engine in 30-60 s on 2 shared vCPUs (a compiled one
 about a minute more).
@@ -112,7 +113,13 @@ def test_every_rank_runs_our_ops(run, enforce_eager, fully_sharded):
     mode = "NONE" if enforce_eager else "DYNAMO_TRACE_ONCE"
     for report in reports:
         assert report["compilation_mode"] == mode, reports
-        # Compiled: the model, traced once. Eager: the masking helper of
-        # vLLM's vocab-parallel embedding, which vLLM compiles by itself at
-        # TP > 1 in any mode (inlined into the model's graph when compiled).
-        assert report["dynamo_graphs"] == 1, reports
+        if enforce_eager:
+            # Only vLLM's masking helper of its vocab-parallel embedding,
+            # which vLLM compiles by itself at TP > 1 in any mode. Its graphs
+            # are vLLM's business: it has dynamic shapes, but a one-token
+            # input gets a graph of its own.
+            functions = {name for name, _ in report["dynamo_compiles"]}
+            assert functions == {"get_masked_input_and_mask"}, reports
+        else:
+            # The model, traced once (the helper inlined into its graph).
+            assert report["dynamo_graphs"] == 1, reports

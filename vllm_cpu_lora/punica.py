@@ -230,7 +230,9 @@ def worker_lora_report(worker: Any = None) -> dict[str, Any]:
     Returns:
         ``{"wrappers": [qualified class names], "calls": call_counts(),
         "compilation_mode": the worker's vLLM compilation mode name,
-        "dynamo_graphs": graphs torch.compile captured in this process}``.
+        "dynamo_graphs": graphs torch.compile captured in this process,
+        "dynamo_compiles": [function name, recompile reason or None] for each
+        frame dynamo compiled in this process}``.
     """
     wrappers = sorted(
         {
@@ -245,4 +247,8 @@ def worker_lora_report(worker: Any = None) -> dict[str, Any]:
         "calls": call_counts(),
         "compilation_mode": getattr(mode, "name", None),
         "dynamo_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
+        "dynamo_compiles": [
+            [m.co_name, m.recompile_reason]
+            for m in torch._dynamo.utils.get_compilation_metrics()
+        ],
     }
