@@ -298,6 +298,22 @@ def test_worker_lora_report_without_a_worker():
     assert report["compilation_mode"] is None
 
 
+def test_worker_lora_report_lists_dynamo_compiles_and_their_reasons():
+    @torch.compile(dynamic=True, backend="eager")
+    def report_probe(x):
+        return x * (x > 0)
+
+    report_probe(torch.randn(3))
+    report_probe(torch.randn(1))  # torch specializes one element: a recompile
+    reasons = [
+        reason
+        for name, reason in punica.worker_lora_report(None)["dynamo_compiles"]
+        if name == "report_probe"
+    ]
+    assert len(reasons) == 2 and reasons[0] is None, reasons
+    assert "size()[0]" in reasons[1], reasons
+
+
 def test_vllm_before_0_33_adds_an_adapter_to_rows_without_one():
     x = _rand(3, RANK, dtype=torch.float32)
     lora_b = _rand(MAX_LORAS, 8, RANK, dtype=torch.float32, seed=1)
