@@ -1,7 +1,8 @@
 // The floors of the avx2 path's tiles outside the library (docs/tuning.md
 // #avx2-tile-floors): the rows tile of a one-token rank-16 expand (bf16
-// weights in vLLM's [N, r] layout, weights hot in L2) and the dot tile of a
-// prefill shrink, each with the alternatives measured against it. Uses the
+// weights in vLLM's [N, r] layout, weights hot in L2), the same expand on
+// weights kept transposed across calls, and the dot tile of a prefill shrink,
+// each with the alternatives measured against it. Uses the
 // kernels' own vector policy (csrc/cpu/vec_avx2.h) and dot tile. Build and run
 // on an AVX2 CPU with the lines in docs/tuning.md#avx2-tile-floors.
 #include <algorithm>
@@ -20,6 +21,20 @@ using vllm_cpu_lora::avx2::VecAvx2;
 using V = VecAvx2;
 using F = __m256;
 using Bf16 = c10::BFloat16;
+
+// Best of 7 timings of `reps` calls, in seconds per call.
+template <class Fn>
+double BestSeconds(Fn fn, int reps) {
+  double best = 1e30;
+  for (int round = 0; round < 7; ++round) {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < reps; ++i) fn();
+    const std::chrono::duration<double> d =
+        std::chrono::steady_clock::now() - t0;
+    best = std::min(best, d.count() / reps);
+  }
+  return best;
+}
 
 // ---- one-token expand, rank 16: out[n] += scale * sum_k x[k] w[n][k] ----
 constexpr int kRank = 16;
@@ -60,6 +75,87 @@ __attribute__((noinline)) void ExpandSumsOnly(const Bf16* w, const float* x,
   }
 }
 
+// The route not built: weights kept across calls in blocks of 8 columns, each
+// column's bf16 pairs (ranks 2i, 2i+1) side by side ([N / 8][K / 2][8][2]).
+// One load and its split give two ranks of 8 columns: no sums across lanes.
+// U blocks a step; bf16 output with add.
+template <int K, int U>
+__attribute__((noinline)) void ExpandPairBlocks(const Bf16* w, const float* x,
+                                                Bf16* out, int n_out,
+                                                float scale) {
+  F xe[K / 2], xo[K / 2];
+  for (int i = 0; i < K / 2; ++i) {
+    xe[i] = V::Set1(x[2 * i]);
+    xo[i] = V::Set1(x[2 * i + 1]);
+  }
+  const F s = V::Set1(scale);
+  for (int n = 0; n < n_out; n += 8 * U) {
+    F even[U], odd[U];
+    for (int u = 0; u < U; ++u) even[u] = odd[u] = V::Zero();
+    for (int i = 0; i < K / 2; ++i) {
+      for (int u = 0; u < U; ++u) {
+        const Bf16* block = w + ((n / 8 + u) * (K / 2) + i) * 16;
+        const V::Split p = V::SplitBf16(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block)));
+        even[u] = V::Fma(p.even, xe[i], even[u]);
+        odd[u] = V::Fma(p.odd, xo[i], odd[u]);
+      }
+    }
+    for (int u = 0; u < U; ++u) {
+      Bf16* o = out + n + 8 * u;
+      V::Store(o, V::Add(V::Mul(V::Add(even[u], odd[u]), s), V::Load(o)));
+    }
+  }
+}
+
+// The bf16 output alone: widen, scale, add, round, store; no products.
+__attribute__((noinline)) void ExpandOutputOnly(const float* sums, Bf16* out,
+                                                int n_out, float scale) {
+  const F s = V::Set1(scale);
+  for (int n = 0; n < n_out; n += 8)
+    V::Store(out + n, V::Add(V::Mul(V::Load(sums + n), s), V::Load(out + n)));
+}
+
+// [N][K] weights as ExpandPairBlocks reads them.
+template <int K>
+std::vector<Bf16> PairBlocks(const std::vector<Bf16>& w, int n_out) {
+  std::vector<Bf16> blocks(w.size());
+  for (int n = 0; n < n_out; ++n)
+    for (int k = 0; k < K; ++k)
+      blocks[((n / 8) * (K / 2) + k / 2) * 16 + (n % 8) * 2 + k % 2] =
+          w[n * K + k];
+  return blocks;
+}
+
+// ns per 8 outputs of the pair blocks (1, 2, 4 a step) and of the output
+// alone, rank K, bf16 output with add.
+template <int K>
+void PrintPairBlocks(int n_out, std::mt19937& gen) {
+  std::normal_distribution<float> dist;
+  std::vector<Bf16> w(n_out * K), out(n_out);
+  std::vector<float> x(K), sums(n_out);
+  for (auto& e : w) e = dist(gen);
+  for (auto& e : out) e = dist(gen);
+  for (float& e : x) e = dist(gen);
+  for (float& e : sums) e = dist(gen);
+  const std::vector<Bf16> blocks = PairBlocks<K>(w, n_out);
+  const double tiles = n_out / 8.0;
+  auto ns = [&](auto fn) { return BestSeconds(fn, 2000) * 1e9 / tiles; };
+  auto pairs = [&](auto u) {
+    return ns([&] {
+      ExpandPairBlocks<K, decltype(u)::value>(blocks.data(), x.data(),
+                                              out.data(), n_out, 0.5f);
+    });
+  };
+  std::printf(
+      "expand T=1 r=%d N=%d on pair blocks, ns per 8 outputs: 1 block/step "
+      "%.2f, 2 %.2f, 4 %.2f; the output alone %.2f\n",
+      K, n_out, pairs(std::integral_constant<int, 1>{}),
+      pairs(std::integral_constant<int, 2>{}),
+      pairs(std::integral_constant<int, 4>{}),
+      ns([&] { ExpandOutputOnly(sums.data(), out.data(), n_out, 0.5f); }));
+}
+
 // ---- prefill shrink: out[t][n] = sum_k x[t][k] w[n][k], bf16 ----
 constexpr int kHidden = 4096;
 
@@ -76,7 +172,7 @@ __attribute__((noinline)) void ShrinkSplit2x4(const Bf16* x, const Bf16* w,
       const Bf16* wr[4];
       for (int j = 0; j < 4; ++j) wr[j] = w + (n + j) * kHidden;
       float res[2][4];
-      Dot::DotTile<2, 4>(xr, wr, kHidden, res);
+      Dot::DotTile<2, 4>(xr, wr, kHidden, Dot::NextInputs<2>{}, res);
       for (int i = 0; i < 2; ++i)
         for (int j = 0; j < 4; ++j) out[(t + i) * rank + n + j] = res[i][j];
     }
@@ -118,20 +214,6 @@ __attribute__((noinline)) void ShrinkConverted(const Bf16* x, const Bf16* w,
   }
 }
 
-// Best of 7 timings of `reps` calls, in seconds per call.
-template <class Fn>
-double BestSeconds(Fn fn, int reps) {
-  double best = 1e30;
-  for (int round = 0; round < 7; ++round) {
-    const auto t0 = std::chrono::steady_clock::now();
-    for (int i = 0; i < reps; ++i) fn();
-    const std::chrono::duration<double> d =
-        std::chrono::steady_clock::now() - t0;
-    best = std::min(best, d.count() / reps);
-  }
-  return best;
-}
-
 }  // namespace
 
 int main() {
@@ -159,6 +241,8 @@ int main() {
           ExpandTiles<2>(w.data(), x.data(), out.data(), n_out, 0.5f);
         }),
         ns([&] { ExpandSumsOnly(w.data(), x.data(), sums.data(), n_out); }));
+    PrintPairBlocks<16>(n_out, gen);
+    PrintPairBlocks<8>(n_out, gen);
   }
   for (int tokens : {504, 2046}) {  // Inputs in L3; streamed from DRAM.
     for (int rank : {8, 16, 64}) {
