@@ -51,6 +51,7 @@ HOUTS = (4096, 11008)
 _LLAMA3_HOUTS = (1024, 14336)
 _PREFILL_TOKENS = 2048
 _PREFILL_SEGMENTS = 4
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 IMPLS = ("ours", "reference", "grouped")
 # Passes through all cases sharing each case's rounds (timing.measure_spread).
@@ -68,7 +69,7 @@ class Case:
     adapters: int
     rank: int
     hout: int = 0  # Expand only.
-    dtype: str = "bf16"  # bf16: vLLM's CPU dtypes; fp32: everything fp32.
+    dtype: str = "bf16"  # Activations and weights: a key of _DTYPES.
     shared: bool = False  # Every token on one adapter (else random).
 
     @property
@@ -118,7 +119,8 @@ def build_cases(quick: bool) -> list[Case]:
             )
     if quick:
         return cases
-    # Beyond the targets' grid: every token on one adapter, fp32 throughout,
+    # Beyond the targets' grid: every token on one adapter, fp32 and fp16
+    # throughout (#16 wants their weights at least as fast as torch),
     # Llama-3-8B's widths (k/v 1024, MLP 14336; its hidden size is 4096),
     # and rank 1, the smallest max_lora_rank vLLM allows.
     for b in (1, 8, 256):
@@ -127,15 +129,19 @@ def build_cases(quick: bool) -> list[Case]:
     for b in (1, 32, 256):
         cases.append(Case("bgmv_shrink", b, 16, 16, shared=True))
         cases.append(Case("bgmv_expand", b, 16, 16, 11008, shared=True))
-        cases.append(Case("bgmv_shrink", b, 4, 16, dtype="fp32"))
-        cases.append(Case("bgmv_expand", b, 4, 16, 11008, dtype="fp32"))
+        for dtype in ("fp32", "fp16"):
+            cases.append(Case("bgmv_shrink", b, 4, 16, dtype=dtype))
+            cases.append(Case("bgmv_expand", b, 4, 16, 11008, dtype=dtype))
         for hout in _LLAMA3_HOUTS:
             cases.append(Case("bgmv_expand", b, 4, 16, hout))
     segs = _PREFILL_SEGMENTS
-    cases.append(Case("sgmv_shrink", _PREFILL_TOKENS, segs, 16, dtype="fp32"))
-    cases.append(
-        Case("sgmv_expand", _PREFILL_TOKENS, segs, 16, 11008, dtype="fp32")
-    )
+    for dtype in ("fp32", "fp16"):
+        cases.append(
+            Case("sgmv_shrink", _PREFILL_TOKENS, segs, 16, dtype=dtype)
+        )
+        cases.append(
+            Case("sgmv_expand", _PREFILL_TOKENS, segs, 16, 11008, dtype=dtype)
+        )
     for hout in _LLAMA3_HOUTS:
         cases.append(Case("sgmv_expand", _PREFILL_TOKENS, segs, 16, hout))
     return cases
@@ -156,10 +162,10 @@ class Prepared:
 def prepare(case: Case, seed: int = 0) -> Prepared:
     """Builds inputs, the three implementations' calls and the cost model."""
     gen = torch.Generator().manual_seed(seed)
-    # bf16: vLLM's CPU dtypes (bf16 activations and weights, the fp32
-    # intermediate buffer between shrink and expand); fp32: all fp32.
-    bf16 = torch.bfloat16 if case.dtype == "bf16" else torch.float32
-    randn = functools.partial(baselines.randn, gen, dtype=bf16)
+    # bf16 and fp16: vLLM's CPU dtypes (16-bit activations and weights, the
+    # fp32 intermediate buffer between shrink and expand); fp32: all fp32.
+    dtype = _DTYPES[case.dtype]
+    randn = functools.partial(baselines.randn, gen, dtype=dtype)
     h, r, t, n_ad = HIDDEN, case.rank, case.tokens, case.adapters
 
     if case.family == "bgmv" and case.shared:
@@ -180,7 +186,7 @@ def prepare(case: Case, seed: int = 0) -> Prepared:
     if case.op.endswith("shrink"):
         x = randn(t, h)
         w = randn(n_ad, r, h, scale=h**-0.5)
-        out_dtype = torch.float32 if case.family == "bgmv" else bf16
+        out_dtype = torch.float32 if case.family == "bgmv" else dtype
         initial = torch.zeros(t, r, dtype=out_dtype)
         nbytes = (
             used * r * h * w.element_size()
@@ -191,7 +197,7 @@ def prepare(case: Case, seed: int = 0) -> Prepared:
         last = 1.0  # scaling
     else:
         n = case.hout
-        in_dtype = torch.float32 if case.family == "bgmv" else bf16
+        in_dtype = torch.float32 if case.family == "bgmv" else dtype
         x = randn(t, r, dtype=in_dtype)
         w = randn(n_ad, n, r, scale=r**-0.5)
         initial = randn(t, n, scale=1e-2)

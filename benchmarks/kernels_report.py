@@ -172,8 +172,8 @@ def _peaks_line(run: Run) -> str:
     widened = " (bf16 widened to fp32)" if bf16 == "fp32 FMA" else ""
     return (
         f"- On this run's ISA path `{isa}` the compute peak of the bound is "
-        f"the {bound} peak (fp32 cases: fp32 FMA); 'of bf16 peak' uses the "
-        f"{bf16} peak{widened}. "
+        f"the {bound} peak (fp32 and fp16 cases: fp32 FMA); 'of bf16 peak' "
+        f"uses the {bf16} peak{widened}. "
         f"Micro-kernels: {lim.isa or 'none (no AVX2 or AVX-512)'}."
     )
 
@@ -231,12 +231,18 @@ def markdown_lines(
         "add_inputs; a random adapter per token.",
         "- sgmv (prefill): 2048 tokens in 4 segments of 512, one adapter "
         "each, bf16 activations both ways, add_inputs on expand.",
+        "- Cases marked `fp32` or `fp16` take that dtype for activations and "
+        "weights (the fp32 buffer between a decode shrink and expand stays; "
+        "fp32 cases are fp32 throughout). torch multiplies fp16 on a CPU "
+        "without AVX512-FP16 far slower than bf16 or fp32, which the fp16 "
+        "rows' 'vs grouped' shows; there the `fp32` rows' grouped times "
+        "bound what upcasting to fp32 would cost.",
         "- Bound = max(bytes / bandwidth, flops / peak) with the thread "
         "count of the run, peak being the largest of the peaks the ISA path "
         "can use (AMX: the vdpbf16ps, fp32 FMA and AMX peaks; AVX512-BF16: "
         "vdpbf16ps and fp32 FMA; AVX-512, AVX2: fp32 FMA, bf16 being "
-        "widened); fp32 cases the fp32 FMA peak only, which alone "
-        "multiplies fp32 exactly. Bytes: the weights of the adapters in use, "
+        "widened); fp32 and fp16 cases the fp32 FMA peak only, which alone "
+        "multiplies them exactly. Bytes: the weights of the adapters in use, "
         "the inputs, the output (read and written for expand). **Bandwidth "
         "is in-cache**: the weights are hot (decode reuses them every step), "
         "so a case whose bytes fit in 3/4 of the threads' L2 uses the L2 "
@@ -266,9 +272,9 @@ def markdown_lines(
         "",
         "Over the targets' grid only (bf16, a random adapter per token, "
         "ranks 8 / 16 / 64, Hout 4096 / 11008); the cases marked `shared` "
-        "(every token on one adapter), `fp32`, N1024 / N14336 (Llama-3-8B) "
-        "and rank 1 (vLLM's smallest `max_lora_rank`) are in the table "
-        "above, not in these figures.",
+        "(every token on one adapter), `fp32`, `fp16`, N1024 / N14336 "
+        "(Llama-3-8B) and rank 1 (vLLM's smallest `max_lora_rank`) are in "
+        "the table above, not in these figures.",
         "",
         *report.summary_table(summary),
         "",
