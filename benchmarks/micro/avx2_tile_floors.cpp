@@ -36,6 +36,19 @@ double BestSeconds(Fn fn, int reps) {
   return best;
 }
 
+// Normal values in every element of v.
+template <class T>
+void Fill(std::vector<T>& v, std::mt19937& gen) {
+  std::normal_distribution<float> dist;
+  for (T& e : v) e = static_cast<T>(dist(gen));
+}
+
+// The expands' output step, the same in every loop below: *o (8 bf16) +=
+// scale * sums, rounded.
+void StoreScaledAdd(Bf16* o, F sums, F scale) {
+  V::Store(o, V::Add(V::Mul(sums, scale), V::Load(o)));
+}
+
 // ---- one-token expand, rank 16: out[n] += scale * sum_k x[k] w[n][k] ----
 constexpr int kRank = 16;
 
@@ -56,10 +69,7 @@ __attribute__((noinline)) void ExpandTiles(const Bf16* w, const float* x,
                              V::Zero());
       r[u] = V::SumLanes(acc);
     }
-    for (int u = 0; u < U; ++u) {
-      Bf16* o = out + n + 8 * u;
-      V::Store(o, V::Add(V::Mul(r[u], s), V::Load(o)));
-    }
+    for (int u = 0; u < U; ++u) StoreScaledAdd(out + n + 8 * u, r[u], s);
   }
 }
 
@@ -101,10 +111,8 @@ __attribute__((noinline)) void ExpandPairBlocks(const Bf16* w, const float* x,
         odd[u] = V::Fma(p.odd, xo[i], odd[u]);
       }
     }
-    for (int u = 0; u < U; ++u) {
-      Bf16* o = out + n + 8 * u;
-      V::Store(o, V::Add(V::Mul(V::Add(even[u], odd[u]), s), V::Load(o)));
-    }
+    for (int u = 0; u < U; ++u)
+      StoreScaledAdd(out + n + 8 * u, V::Add(even[u], odd[u]), s);
   }
 }
 
@@ -113,7 +121,7 @@ __attribute__((noinline)) void ExpandOutputOnly(const float* sums, Bf16* out,
                                                 int n_out, float scale) {
   const F s = V::Set1(scale);
   for (int n = 0; n < n_out; n += 8)
-    V::Store(out + n, V::Add(V::Mul(V::Load(sums + n), s), V::Load(out + n)));
+    StoreScaledAdd(out + n, V::Load(sums + n), s);
 }
 
 // [N][K] weights as ExpandPairBlocks reads them.
@@ -131,13 +139,12 @@ std::vector<Bf16> PairBlocks(const std::vector<Bf16>& w, int n_out) {
 // alone, rank K, bf16 output with add.
 template <int K>
 void PrintPairBlocks(int n_out, std::mt19937& gen) {
-  std::normal_distribution<float> dist;
   std::vector<Bf16> w(n_out * K), out(n_out);
   std::vector<float> x(K), sums(n_out);
-  for (auto& e : w) e = dist(gen);
-  for (auto& e : out) e = dist(gen);
-  for (float& e : x) e = dist(gen);
-  for (float& e : sums) e = dist(gen);
+  Fill(w, gen);
+  Fill(out, gen);
+  Fill(x, gen);
+  Fill(sums, gen);
   const std::vector<Bf16> blocks = PairBlocks<K>(w, n_out);
   const double tiles = n_out / 8.0;
   auto ns = [&](auto fn) { return BestSeconds(fn, 2000) * 1e9 / tiles; };
@@ -218,17 +225,12 @@ __attribute__((noinline)) void ShrinkConverted(const Bf16* x, const Bf16* w,
 
 int main() {
   std::mt19937 gen(0);
-  std::normal_distribution<float> dist;
-  auto fill = [&](auto& v) {
-    for (auto& e : v)
-      e = static_cast<std::remove_reference_t<decltype(e)>>(dist(gen));
-  };
   for (int n_out : {4096, 11008}) {
     std::vector<Bf16> w(n_out * kRank), out(n_out);
     std::vector<float> x(kRank), sums(n_out);
-    fill(w);
-    fill(x);
-    fill(out);
+    Fill(w, gen);
+    Fill(x, gen);
+    Fill(out, gen);
     const double tiles = n_out / 8.0;
     auto ns = [&](auto fn) { return BestSeconds(fn, 2000) * 1e9 / tiles; };
     std::printf(
@@ -248,8 +250,8 @@ int main() {
     for (int rank : {8, 16, 64}) {
       std::vector<Bf16> x(tokens * kHidden), w(rank * kHidden);
       std::vector<float> out(tokens * rank);
-      fill(x);
-      fill(w);
+      Fill(x, gen);
+      Fill(w, gen);
       const double flop = 2.0 * tokens * kHidden * rank;
       auto gflops = [&](auto fn) { return flop / BestSeconds(fn, 3) / 1e9; };
       std::printf(
