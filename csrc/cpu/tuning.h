@@ -141,6 +141,11 @@ constexpr int64_t RowsMaxTokensAvx512Fma(int64_t k, bool grouped,
 static_assert(RowsMaxTokensAvx512Fma(kMaxPackK, false, WeightProducts::kFp32) <=
               kRowsMaxTokens);
 
+// The rows tiles prefetch their weights this many bytes ahead: adapters are
+// cold when serving, and the hardware prefetchers alone left the reads of a
+// decode expand waiting on DRAM after its products (#rows-prefetch).
+constexpr int64_t kRowsPrefetchBytes = 8192;
+
 // Rows tiles over short rows run two tiles a step: there a tile's sums and
 // store outweigh its products, and the second tile's loads and products
 // overlap the first's (#rows-two-tiles). `grouped`: rows of 8 or 16
