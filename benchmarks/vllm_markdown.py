@@ -23,6 +23,7 @@ from benchmarks.vllm_report import (
     target,
     write_plot,
 )
+from benchmarks.vllm_runner import SETTLE_S
 
 if TYPE_CHECKING:
     from benchmarks.vllm_e2e import Settings
@@ -105,7 +106,9 @@ def _method_lines(settings: Settings, configs: list[Config]) -> list[str]:
             "- All children live through the whole run. Warm-up in each "
             f"(1 and {settings.warmup_tokens} tokens), then "
             f"{settings.rounds} round(s), the configurations taking turns "
-            "in rotating order; figures are medians over rounds."
+            f"in rotating order, each {SETTLE_S:g} s after the one before "
+            "(vLLM's idle workers poll their queue for a second after their "
+            "last step, on the same cores); figures are medians over rounds."
         )
     lines.append(
         "- 'per-round decode ratios' is the range of each round's ratio to "

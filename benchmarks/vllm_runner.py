@@ -15,6 +15,13 @@ from typing import TYPE_CHECKING, Any
 from benchmarks.vllm_child import Child
 from benchmarks.vllm_report import CONFIGS, OUR_WRAPPER, Config
 
+# Children living together share the cores, and vLLM's idle workers poll
+# their message queue for a second after their last step (the busy loop of
+# vllm/distributed/device_communicators/shm_broadcast.py): a 1-token generate
+# started right after another child's run took up to twice as long. Each
+# measurement waits this long first (docs/vllm.md#children-taking-turns).
+SETTLE_S = 2.0
+
 if TYPE_CHECKING:
     from benchmarks.vllm_e2e import Settings
 
@@ -290,6 +297,7 @@ def _run_together(runner: Runner, configs: list[Config]) -> None:
             k = r % len(children)
             row, label = _new_row(settings, r)
             for child in children[k:] + children[:k]:
+                time.sleep(SETTLE_S)
                 runner.measure(child, row, label)
             runner.result["rounds"].append(row)
         if settings.profile:

