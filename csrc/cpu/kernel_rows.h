@@ -239,22 +239,20 @@ struct RowsKernel : KernelTypes<V, TX, TW, TO> {
         for (int64_t i = 0; i < count; ++i)
           xr[i] = RepeatInputs<kG>(x + i * rows);
       }
-      // Contiguous rows of kRowElems elements (the grouped and fixed tiles):
-      // rows [m, m + nr)'s bytes kRowsPrefetchBytes ahead, into L2. The
-      // addresses are integers: they may lie past the weights, where a
-      // prefetch is harmless but a pointer may not point.
-      constexpr int64_t kRowElems = kG > 0 ? GroupRowElems<kG>() : kK;
-      auto prefetch = [&](int64_t m, int64_t nr) {
-        if constexpr (kRowElems > 0) {
-          const uintptr_t p = reinterpret_cast<uintptr_t>(w + m * kRowElems) +
-                              kRowsPrefetchBytes;
-          const int64_t bytes = nr * kRowElems * int64_t{sizeof(TW)};
-          for (int64_t b = 0; b < bytes; b += 64)
-            __builtin_prefetch(reinterpret_cast<const void*>(p + b), 0, 2);
-        }
-      };
       int64_t n = n0;
       if constexpr ((kG > 0 || kK > 0) && RowsTwoTiles(kL, kK, kG > 0)) {
+        // Rows [m, m + 2 kL) of kRowElems elements, contiguous: their bytes
+        // kRowsPrefetchBytes ahead, into L2. The addresses are integers:
+        // they may lie past the weights, where a prefetch is harmless but a
+        // pointer may not point.
+        constexpr int64_t kRowElems = kG > 0 ? GroupRowElems<kG>() : kK;
+        constexpr int64_t kStepBytes = 2 * kL * kRowElems * int64_t{sizeof(TW)};
+        auto prefetch = [&](int64_t m) {
+          const uintptr_t p = reinterpret_cast<uintptr_t>(w + m * kRowElems) +
+                              kRowsPrefetchBytes;
+          for (int64_t b = 0; b < kStepBytes; b += 64)
+            __builtin_prefetch(reinterpret_cast<const void*>(p + b), 0, 2);
+        };
         // Token i's whole tile of rows [m, m + kL).
         auto whole_tile = [&](int64_t m, int64_t i) {
           if constexpr (kG > 0) {
@@ -264,7 +262,7 @@ struct RowsKernel : KernelTypes<V, TX, TW, TO> {
           }
         };
         for (; n + 2 * kL <= n1; n += 2 * kL) {
-          prefetch(n, 2 * kL);
+          prefetch(n);
           for (int64_t i = 0; i < count; ++i) {
             const F r0 = whole_tile(n, i);
             const F r1 = whole_tile(n + kL, i);
@@ -276,7 +274,6 @@ struct RowsKernel : KernelTypes<V, TX, TW, TO> {
       }
       for (; n < n1; n += kL) {
         const int nr = static_cast<int>(std::min<int64_t>(kL, n1 - n));
-        prefetch(n, nr);
         for (int64_t i = 0; i < count; ++i) {
           F r;
           if constexpr (kG > 0) {

@@ -141,9 +141,10 @@ constexpr int64_t RowsMaxTokensAvx512Fma(int64_t k, bool grouped,
 static_assert(RowsMaxTokensAvx512Fma(kMaxPackK, false, WeightProducts::kFp32) <=
               kRowsMaxTokens);
 
-// The rows tiles prefetch their weights this many bytes ahead: adapters are
-// cold when serving, and the hardware prefetchers alone left the reads of a
-// decode expand waiting on DRAM after its products (#rows-prefetch).
+// The rows tiles over short rows (RowsTwoTiles) prefetch their weights this
+// many bytes ahead: adapters are cold when serving, and there the hardware
+// prefetchers alone left the reads waiting on DRAM after the products; longer
+// rows lost up to a third in cache to the extra loads (#rows-prefetch).
 constexpr int64_t kRowsPrefetchBytes = 8192;
 
 // Rows tiles over short rows run two tiles a step: there a tile's sums and
