@@ -144,7 +144,7 @@ static_assert(RowsMaxTokensAvx512Fma(kMaxPackK, false, WeightProducts::kFp32) <=
 // The rows tiles over short rows (RowsTwoTiles) prefetch their weights this
 // many bytes ahead: adapters are cold when serving, and there the hardware
 // prefetchers alone left the reads waiting on DRAM after the products; longer
-// rows lost up to a third in cache to the extra loads (#rows-prefetch).
+// rows ran up to 1.38x slower in cache for the extra loads (#rows-prefetch).
 constexpr int64_t kRowsPrefetchBytes = 8192;
 
 // Rows tiles over short rows run two tiles a step: there a tile's sums and
