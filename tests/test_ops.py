@@ -944,8 +944,9 @@ def embedded(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return view, buffer
 
 
-def base_call(op, dtypes, gen) -> Call:
-    """A representative call of `op` (mixed indices, odd sizes)."""
+def base_call(op, dtypes, gen, add=False) -> Call:
+    """A representative call of `op` (mixed indices, odd sizes; `add`: the
+    expand ops' add_inputs)."""
     if op in SHRINK_OPS:
         return shrink_call(
             op,
@@ -967,7 +968,7 @@ def base_call(op, dtypes, gen) -> Call:
             out_width=75,
             loras=3,
             pattern="mixed",
-            add=False,
+            add=add,
             gen=gen,
         )
     low_level = op == "dispatch_bgmv_low_level"
@@ -1083,6 +1084,60 @@ def test_empty_reduction(op, isa):
         ]
     for call in calls:
         check(call, isa)
+
+
+def check_unread_weights(call: Call, isa: str, poison) -> None:
+    """`check`s a call, then that its output stays the same bit for bit
+    when `poison(call)` puts NaN into weights the kernels must not read."""
+    before = call.output.clone()
+    check(call, isa)
+    want = call.output.clone()
+    call.output.copy_(before)
+    poison(call)
+    got = run_kernel(call, isa)
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+def token_adapters(call: Call) -> torch.Tensor:
+    """Each input row's adapter in a call (negative: none)."""
+    if call.op.startswith("sgmv"):
+        return torch.repeat_interleave(call.args[5], call.args[4])
+    return call.args[3]  # bgmv's lora_indices_tensor, dispatch's indicies
+
+
+@pytest.mark.parametrize(
+    "dtypes",
+    ((F32, BF16, BF16), (BF16, BF16, F32), (F16, F16, F16)),
+    ids=dtypes_id,
+)
+@pytest.mark.parametrize("op", ALL_OPS)
+def test_zero_inputs(op, dtypes, isa):
+    """Input rows of zeros (of either sign), for all the tokens of one
+    adapter and for one token of another: their products are zeros. Add
+    mode leaves those rows exactly as they were (`check`), overwrite mode
+    writes zeros over the poison. The kernels skip the adapter whose inputs
+    are all zeros (vLLM zeroes the slots of adapters without a module),
+    reading none of its weights: as BLAS with alpha 0, NaN there changes
+    nothing."""
+    for add in (False, True) if op in EXPAND_OPS else (False,):
+        # The first draw whose tokens use two adapters or more.
+        for draw in itertools.count():
+            gen = make_generator("zero_inputs", op, dtypes, add, draw)
+            call = base_call(op, dtypes, gen, add=add)
+            adapters = token_adapters(call)
+            used = adapters[adapters >= 0].unique()
+            if len(used) >= 2:
+                break
+        x = call.args[call.x]
+        rows = (adapters == used[0]).nonzero().flatten()
+        x[rows] = 0.0
+        x[rows[::2]] = -0.0
+        x[(adapters == used[1]).nonzero().flatten()[0]] = -0.0
+
+        def poison(call, adapter=used[0]):
+            call.args[call.w][adapter] = NAN
+
+        check_unread_weights(call, isa, poison)
 
 
 @pytest.mark.parametrize("rank", (16, 64))

@@ -32,6 +32,7 @@ from test_ops import (
     _SeenOps,
     bgmv_indices,
     check,
+    check_unread_weights,
     dtypes_id,
     make_generator,
     make_output,
@@ -96,6 +97,26 @@ def test_lora_shrink(dtypes, shape, pattern, isa):
 def test_lora_expand(dtypes, shape, pattern, add, isa):
     gen = make_generator("lora_expand", dtypes, shape, pattern, add)
     check(expand_call(dtypes, shape, pattern, add, gen), isa)
+
+
+@pytest.mark.parametrize("add", (False, True), ids=("store", "add"))
+@pytest.mark.parametrize("dtypes", EXPAND_FAST_COMBOS, ids=dtypes_id)
+def test_lora_expand_zero_inputs(dtypes, add, isa):
+    """A slice whose inputs are all zeros, as vLLM's shrink leaves them for
+    adapters without that module (it zeroes their weights), and one
+    adapter's zero inputs in another slice: the oracle's result, without
+    reading those weights (NaN there changes nothing)."""
+    gen = make_generator("lora_expand_zero_inputs", dtypes, add)
+    call = expand_call(dtypes, SHAPES[-1], "mixed", add, gen)
+    x, weights, idx = call.args[0], call.args[1], call.args[3]
+    x[1] = 0.0
+    x[0, idx == idx.max()] = -0.0
+
+    def poison(call):
+        weights[1].fill_(NAN)
+        weights[0][idx.max()] = NAN
+
+    check_unread_weights(call, isa, poison)
 
 
 @st.composite

@@ -10,6 +10,7 @@
 #include <type_traits>
 
 #include "checks.h"
+#include "grouping.h"
 #include "tuning.h"
 
 namespace vllm_cpu_lora {
@@ -85,22 +86,61 @@ void RunSplitK(const LoraArgs& a, KernelFn fn, c10::ArrayRef<WorkItem> items,
   }
 }
 
+// Whether all k elements of a row are zeros (of either sign).
+template <class T>
+bool IsZeroRow(const void* row, int64_t k) {
+  const T* values = static_cast<const T*>(row);
+  return std::all_of(values, values + k,
+                     [](T v) { return static_cast<float>(v) == 0.0f; });
+}
+
+// The groups with an input row that is not all zeros. The others' products
+// are zeros (whatever the weights): an accumulating product leaves their
+// rows as they are, a storing one zeroes them. vLLM zeroes the slots of
+// adapters without a module, so for them the expands read no weights. A
+// non-zero row usually ends the scan at its first element.
+GroupList GroupsWithInputs(const Product& p, c10::ArrayRef<Group> groups,
+                           c10::ArrayRef<int64_t> tokens) {
+  const DType dtype = ToDType(p.x, "inputs");
+  const char* x = static_cast<const char*>(p.x.const_data_ptr());
+  const int64_t row_bytes = p.x.stride(0) * p.x.element_size();
+  const int64_t k = p.x.size(1);
+  GroupList live;
+  for (const Group& g : groups) {
+    const c10::ArrayRef<int64_t> rows =
+        tokens.slice(g.token_begin, g.token_count);
+    // k = 0, an empty reduction, is a zero product too.
+    const bool zero =
+        k == 0 || std::all_of(rows.begin(), rows.end(), [&](int64_t t) {
+          const char* row = x + t * row_bytes;
+          switch (dtype) {
+            case DType::kFloat:
+              return IsZeroRow<float>(row, k);
+            case DType::kBFloat16:
+              return IsZeroRow<c10::BFloat16>(row, k);
+            case DType::kHalf:
+              return IsZeroRow<c10::Half>(row, k);
+          }
+          return false;
+        });
+    if (!zero) {
+      live.push_back(g);
+    } else if (!p.add) {
+      ZeroRows(p.out.narrow(1, p.col0, p.n), rows, p.n);
+    }
+  }
+  return live;
+}
+
 }  // namespace
 
-void Run(const Product& p, c10::ArrayRef<Group> groups,
+void Run(const Product& p, c10::ArrayRef<Group> all_groups,
          c10::ArrayRef<int64_t> tokens) {
+  if (all_groups.empty() || p.n == 0) return;
+  const GroupList live = GroupsWithInputs(p, all_groups, tokens);
+  const c10::ArrayRef<Group> groups = live;
+  if (groups.empty()) return;
   const int64_t k = p.x.size(1);
-  if (groups.empty() || p.n == 0) return;
-  if (k == 0) {
-    // Empty reduction: the product is 0.
-    for (const Group& g : groups) {
-      for (int64_t i = 0; i < g.token_count; ++i) {
-        auto row = p.out[tokens[g.token_begin + i]].narrow(0, p.col0, p.n);
-        if (!p.add) row.zero_();
-      }
-    }
-    return;
-  }
   const IsaChoice& choice = p.isa;
   const IsaKernels& kernels = KernelsFor(choice.isa);
   const bool pack = k <= kMaxPackK && p.n > k;
