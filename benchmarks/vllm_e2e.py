@@ -18,8 +18,10 @@ inductor), while with its own LoRA wrapper vLLM forces eager mode
   layers and a tiny vocabulary, 4 rank-16 adapters.
 
 Adapters are random PEFT LoRA adapters on q, k, v, o, gate, up and down
-(non-zero A and B). Each configuration runs in a vLLM child process of its
-own (the plug-in decides per process, and vLLM spawns processes of its own):
+(non-zero A and B), or on the projections ``--targets`` names (PEFT's
+default for Llama, q and v: ``--targets q_proj,v_proj``). Each
+configuration runs in a vLLM child process of its own (the plug-in decides
+per process, and vLLM spawns processes of its own):
 
 * ``no-lora``: ``enable_lora=False``;
 * ``vllm-torch``: ``enable_lora=True``, requests spread round robin over the
@@ -103,6 +105,7 @@ class Settings:
     shape: vllm_models.ModelShape
     adapters: int
     rank: int
+    targets: tuple[str, ...]
     batch: int
     max_tokens: int
     rounds: int
@@ -138,6 +141,7 @@ def settings_for(args: argparse.Namespace) -> Settings:
         shape=shape,
         adapters=preset.adapters,
         rank=preset.rank,
+        targets=tuple(args.targets.split(",")),
         batch=args.batch or (min(16, preset.batch) if quick else preset.batch),
         max_tokens=args.max_tokens
         or (min(32, preset.max_tokens) if quick else preset.max_tokens),
@@ -231,7 +235,23 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "token's neighbour has another adapter; the default) or grouped "
         "(one run of requests per adapter)",
     )
+    parser.add_argument(
+        "--targets",
+        default=",".join(vllm_models.PROJECTIONS),
+        help="the projections the adapters train, comma-separated (all "
+        "seven; PEFT's default for Llama: q_proj,v_proj)",
+    )
     args = parser.parse_args(argv)
+    targets = args.targets.split(",")
+    if set(targets) - set(vllm_models.PROJECTIONS) or len(set(targets)) != len(
+        targets
+    ):
+        parser.error(
+            f"--targets takes distinct names of {vllm_models.PROJECTIONS}, "
+            f"got {args.targets}"
+        )
+    # In the model's order, so that the cache and report names are one.
+    args.targets = ",".join(p for p in vllm_models.PROJECTIONS if p in targets)
     if args.max_tokens is not None and args.max_tokens < 2:
         parser.error("--max-tokens must be at least 2")
     if args.layers is not None and args.model != "llama-7b-layers":
@@ -249,7 +269,12 @@ def report_name(settings: Settings) -> str:
     if settings.model == "llama-7b-layers":
         return "vllm_e2e"
     mode = "eager" if settings.enforce_eager else "defaults"
-    return f"vllm_{mode}_{model_stem(settings.model)}"
+    targets = ""
+    if settings.targets != vllm_models.PROJECTIONS:
+        targets = "_" + "_".join(
+            t.removesuffix("_proj") for t in settings.targets
+        )
+    return f"vllm_{mode}_{model_stem(settings.model)}{targets}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -275,7 +300,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         flush=True,
     )
     models = vllm_models.ensure_models(
-        settings.shape, settings.adapters, settings.rank
+        settings.shape, settings.adapters, settings.rank, settings.targets
     )
     result = vllm_runner.run(settings, models)
     info["load_average_end"] = machine.load_average()

@@ -10,7 +10,7 @@ import importlib.util
 import pathlib
 from typing import TYPE_CHECKING, Any
 
-from benchmarks import report
+from benchmarks import report, vllm_models
 from benchmarks.vllm_report import (
     CONFIGS,
     PR_TOKENS_PER_S,
@@ -156,7 +156,8 @@ def markdown_lines(
         "",
         _model_line(settings, result),
         f"- {settings.adapters} random PEFT LoRA adapter(s), rank "
-        f"{settings.rank} on q, k, v, o, gate, up and down (non-zero A and "
+        f"{settings.rank} on "
+        f"{vllm_models.describe_targets(settings.targets)} (non-zero A and "
         "B); "
         + (
             "requests assigned round robin."

@@ -23,13 +23,33 @@ import pathlib
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 # Bump when the models or adapters written below change.
 _MODEL_VERSION = 2
 _STD = 0.02  # transformers' Llama initializer_range
 _SHARD_BYTES = 2 << 30
+
+# The projections of a Llama layer that adapters may target; PEFT's default
+# for Llama is q_proj and v_proj.
+PROJECTIONS = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+)
+
+
+def describe_targets(targets: Sequence[str]) -> str:
+    """The adapters' projections in words, e.g. "q_proj and v_proj"."""
+    if tuple(targets) == PROJECTIONS:
+        return "all seven projections"
+    *rest, last = (f"`{t}`" for t in targets)
+    return f"{', '.join(rest)} and {last}" if rest else last
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,8 +214,9 @@ def write_adapter(
     *,
     seed: int,
     rank: int,
+    targets: Sequence[str],
 ) -> None:
-    """Saves a random PEFT LoRA adapter on all seven projections.
+    """Saves a random PEFT LoRA adapter on the `targets` projections.
 
     As `tiny_model.build_lora_adapter` (A ~ N(0, 1/in_features), B ~
     N(0, 0.02), alpha = 2 * rank), but written directly.
@@ -204,11 +225,11 @@ def write_adapter(
     from peft import LoraConfig
 
     path.mkdir(parents=True, exist_ok=True)
-    targets = _projections(shape)
+    projections = {t: _projections(shape)[t] for t in targets}
     LoraConfig(
         r=rank,
         lora_alpha=2 * rank,
-        target_modules=list(targets),
+        target_modules=list(projections),
         lora_dropout=0.0,
         bias="none",
         task_type="CAUSAL_LM",
@@ -218,7 +239,7 @@ def write_adapter(
 
     def tensors() -> Iterator[tuple[str, Any]]:
         for layer in range(shape.num_layers):
-            for module, fan_in, fan_out in targets.values():
+            for module, fan_in, fan_out in projections.values():
                 key = f"base_model.model.model.layers.{layer}.{module}"
                 a = torch.randn((rank, fan_in), generator=gen) * fan_in**-0.5
                 b = torch.randn((fan_out, rank), generator=gen) * _STD
@@ -229,7 +250,7 @@ def write_adapter(
 
 
 def ensure_models(
-    shape: ModelShape, num_adapters: int, rank: int
+    shape: ModelShape, num_adapters: int, rank: int, targets: Sequence[str]
 ) -> dict[str, Any]:
     """The cached model and adapters, built if missing.
 
@@ -238,6 +259,7 @@ def ensure_models(
     """
     root = _cache_root() / (
         f"{shape.name}-{shape.num_layers}l-{num_adapters}xr{rank}"
+        f"{'' if tuple(targets) == PROJECTIONS else '-' + '-'.join(targets)}"
         f"-v{_MODEL_VERSION}"
     )
     base = root / "base"
@@ -250,7 +272,14 @@ def ensure_models(
             shutil.rmtree(root)
         write_base(base, shape)
         for i, name in enumerate(names):
-            write_adapter(base, root / name, shape, seed=i + 1, rank=rank)
+            write_adapter(
+                base,
+                root / name,
+                shape,
+                seed=i + 1,
+                rank=rank,
+                targets=targets,
+            )
         done.write_text("ok\n")
     else:
         print(f"Using the cached model and adapters in {root}", flush=True)

@@ -17,7 +17,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from benchmarks import common
+from benchmarks import common, vllm_models
 from benchmarks.vllm_report import CONFIGS, PR_TOKENS_PER_S, TARGET_RATIO
 
 STEM = "vllm_defaults"
@@ -31,6 +31,19 @@ def _runs(out_dir: pathlib.Path) -> list[dict[str, Any]]:
         run["report"] = path.with_suffix(".md").name
         runs.append(run)
     return runs
+
+
+def _targets(run: dict[str, Any]) -> tuple[str, ...]:
+    """The adapters' projections (runs before 2026-12-06 had all seven)."""
+    return tuple(run["settings"].get("targets", vllm_models.PROJECTIONS))
+
+
+def _label(run: dict[str, Any]) -> str:
+    """The run's model, and its adapters' projections unless all seven."""
+    targets = _targets(run)
+    if targets == vllm_models.PROJECTIONS:
+        return run["settings"]["model"]
+    return f"{run['settings']['model']} ({', '.join(targets)})"
 
 
 def _vllm_source(run: dict[str, Any]) -> str:
@@ -67,7 +80,7 @@ def _ratio_rows(runs: list[dict[str, Any]]) -> list[str]:
         spread = f"{s['paired_ratio_min']:.3f}..{s['paired_ratio_max']:.3f}"
         verdict = "met" if run["target"]["pass"] else "**missed**"
         lines.append(
-            f"| [{run['settings']['model']}]({run['report']}) | "
+            f"| [{_label(run)}]({run['report']}) | "
             f"{len(run['rounds'])} | " + " | ".join(cells) + f" | {verdict} "
             f"(per round {spread}) |"
         )
@@ -89,7 +102,7 @@ def _rate_rows(runs: list[dict[str, Any]]) -> list[str]:
             wrapper = ", ".join(w.rsplit(".", 1)[-1] for w in c["wrappers"])
             checked = "" if not run["routing_problems"][config.name] else " ✗"
             lines.append(
-                f"| {run['settings']['model']} | {config.name} | "
+                f"| {_label(run)} | {config.name} | "
                 f"{wrapper or 'no LoRA'}, `{c['compilation_mode']}` "
                 f"({c['dynamo_graphs']} graph(s)){checked} | "
                 f"{s['decode_tok_s_median']:.2f} "
@@ -108,7 +121,8 @@ def _run_lines(run: dict[str, Any]) -> list[str]:
     lines = [
         f"- **{st['model']}** ({st['shape']['num_layers']} layers, vocabulary "
         f"{run['vocab_size']}; {st['adapters']} rank-{st['rank']} "
-        f"adapter(s) on all seven projections): {st['batch']} prompts "
+        f"adapter(s) on {vllm_models.describe_targets(_targets(run))}): "
+        f"{st['batch']} prompts "
         f"({min(prompt)}..{max(prompt)} tokens) x {st['max_tokens']} output "
         f"tokens, {len(run['rounds'])} rounds, each child warmed up with "
         f"1 and {st['warmup_tokens']} output tokens, "
