@@ -26,22 +26,16 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from vllm_cpu_lora import tiny_model
+
 # Bump when the models or adapters written below change.
 _MODEL_VERSION = 2
 _STD = 0.02  # transformers' Llama initializer_range
 _SHARD_BYTES = 2 << 30
 
-# The projections of a Llama layer that adapters may target; PEFT's default
-# for Llama is q_proj and v_proj.
-PROJECTIONS = (
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-)
+# The projections of a Llama layer that adapters may target, all of which
+# the demo's adapters train; PEFT's default for Llama is q_proj and v_proj.
+PROJECTIONS = tiny_model.LORA_TARGETS
 
 
 def describe_targets(targets: Sequence[str]) -> str:
