@@ -51,9 +51,14 @@ def _below(
     name: str, rows: list[dict[str, Any]], fraction: float, fixed_us: float
 ) -> Target:
     """Cases below a fraction of their bound, and how many the call's fixed
-    cost alone keeps there however fast their loops run."""
+    cost keeps there however fast their loops run (a call takes at least
+    the fixed cost plus the bound)."""
     low = [r for r in rows if r["fraction_of_bound"] < fraction]
-    by_fixed = [r for r in low if fixed_us * 1e-6 * fraction > r["bound_s"]]
+    by_fixed = [
+        r
+        for r in low
+        if fixed_us * 1e-6 + r["bound_s"] > r["bound_s"] / fraction
+    ]
     lowest = ""
     if rows:
         worst = min(rows, key=lambda r: r["fraction_of_bound"])
@@ -62,8 +67,8 @@ def _below(
     return (
         name,
         not low,
-        f"{len(low)} of {len(rows)}, {len(by_fixed)} of them by the B=1 "
-        f"fixed cost alone ({fixed_us:.2f} us){lowest}",
+        f"{len(low)} of {len(rows)}, {len(by_fixed)} of them held there by "
+        f"the B=1 fixed cost ({fixed_us:.2f} us){lowest}",
     )
 
 

@@ -30,9 +30,9 @@ def row(
 
 def test_vs_reference_at_bound_takes_ours_where_it_beats_the_bound():
     rows = [
-        row("a", ours_us=4.0, bound_us=1.0),  # 100 / 1
-        row("b", ours_us=2.0, bound_us=8.0),
-    ]  # 100 / 2: beats its bound
+        row("a", ours_us=4.0, bound_us=1.0),  # 100 us / 1 us
+        row("b", ours_us=2.0, bound_us=8.0),  # 100 us / 2 us: beats its bound
+    ]
     assert math.isclose(
         kernels_targets.vs_reference_at_bound(rows), math.sqrt(100 * 50)
     )
@@ -40,9 +40,9 @@ def test_vs_reference_at_bound_takes_ours_where_it_beats_the_bound():
 
 def test_targets_count_cases_and_those_the_fixed_cost_decides():
     rows = [
-        # 10% of its bound; 1 us fixed cost > 5 x 0.15 us: lost to the call.
+        # 10% of its bound; 1 us fixed cost + 0.15 > 5 x 0.15 us: the call's.
         row("tiny", ours_us=1.5, bound_us=0.15),
-        # 20%, beyond 3x but 1 us < 3 x 0.8 us: the loop's doing.
+        # 20%, beyond 3x but 1 + 0.8 us < 3 x 0.8 us: the loop's doing.
         row("slow", ours_us=4.0, bound_us=0.8),
         # 50%: within both.
         row("fine", ours_us=2.0, bound_us=1.0, tokens=8),
@@ -73,13 +73,13 @@ def test_targets_count_cases_and_those_the_fixed_cost_decides():
         "[1 thread] bf16 and fp32 decode cases below 20% of their bound"
     ]
     assert floor[0] is False
-    assert floor[1].startswith("1 of 3, 1 of them by the B=1 fixed cost")
+    assert floor[1].startswith("1 of 3, 1 of them held there by the B=1")
     assert "the lowest tiny 10.0%" in floor[1]
     one_token = got[
         "[1 thread] bf16 and fp32 one-token expands beyond 3x their bound"
     ]
     assert one_token[0] is False
-    assert one_token[1].startswith("2 of 2, 1 of them by the B=1 fixed cost")
+    assert one_token[1].startswith("2 of 2, 1 of them held there by the B=1")
     assert (
         got["[1 thread] prefill geomean fraction of the fp32 FMA peak"][0]
         is True
