@@ -60,11 +60,12 @@ struct PackKernel : KernelTypes<V, TX, TW, TO> {
     }
   }
 
-  // Pack for rank 1 (vLLM's smallest max_lora_rank) in contiguous rows: the
-  // block is the weights themselves, converted a vector at a time (pairs:
-  // (w, 0), in a loop the compiler vectorizes), where Pack's transposes
-  // would move one element per row. Out of line: inlined, it changed how
-  // Pack compiles for the other ranks (#rank-one-pack).
+  // Pack for rank 1 (vLLM's smallest max_lora_rank) in contiguous rows, as
+  // the AMX tiles take it (Run reads such weights in place, RankOneTile):
+  // the block is the weights themselves, converted a vector at a time
+  // (pairs: (w, 0), in a loop the compiler vectorizes), where Pack's
+  // transposes would move one element per row. Out of line: inlined, it
+  // changed how Pack compiles for the other ranks (#rank-one-pack).
   [[gnu::noinline]] static void PackRankOne(const TW* w, int nc, PackT* P) {
     if constexpr (kPairs) {
       const int filled = (nc + kL - 1) / kL * kL;
@@ -74,6 +75,42 @@ struct PackKernel : KernelTypes<V, TX, TW, TO> {
       int c = 0;
       for (; c + kL <= nc; c += kL) V::Store(P + c, V::Load(w + c));
       if (c < nc) V::Store(P + c, V::LoadPartial(w + c, nc - c));
+    }
+  }
+
+  // Rank 1 in contiguous rows (vLLM's smallest max_lora_rank): an output is
+  // one input times one weight, so tokens tok[0..MT) read the weights of
+  // columns [n0, n1) in place, a vector at a time, with nothing packed
+  // (#rank-one-tile).
+  template <int MT>
+  static void RankOneTile(const LoraArgs& a, const TW* w, const int64_t* tok,
+                          int64_t n0, int64_t n1) {
+    const TX* x = static_cast<const TX*>(a.x);
+    TO* out = static_cast<TO*>(a.out);
+    F xb[MT];
+    TO* o[MT];
+    for (int i = 0; i < MT; ++i) {
+      xb[i] = V::Set1(static_cast<float>(x[tok[i] * a.x_row_stride]));
+      o[i] = out + tok[i] * a.out_row_stride;
+    }
+    int64_t n = n0;
+    for (; n + kNT <= n1; n += kNT) {
+      F wv[kNV];
+      for (int v = 0; v < kNV; ++v) wv[v] = V::Load(w + n + v * kL);
+#pragma GCC unroll 8
+      for (int i = 0; i < MT; ++i) {
+        for (int v = 0; v < kNV; ++v)
+          StoreVec(a, o[i] + n + v * kL, V::Mul(xb[i], wv[v]), kL);
+      }
+    }
+    for (; n + kL <= n1; n += kL) {
+      const F wv = V::Load(w + n);
+      for (int i = 0; i < MT; ++i) StoreVec(a, o[i] + n, V::Mul(xb[i], wv), kL);
+    }
+    if (n < n1) {
+      const int nc = static_cast<int>(n1 - n);
+      const F wv = V::LoadPartial(w + n, nc);
+      for (int i = 0; i < MT; ++i) StoreVec(a, o[i] + n, V::Mul(xb[i], wv), nc);
     }
   }
 
@@ -151,6 +188,13 @@ struct PackKernel : KernelTypes<V, TX, TW, TO> {
         xc_tokens = count;
       }
       const TW* wa = w + g.adapter * a.w_adapter_stride;
+      if (a.k == 1 && a.w_row_stride == 1) {
+        int64_t m = 0;
+        for (; m + kTM <= count; m += kTM)
+          RankOneTile<kTM>(a, wa, tok + m, item.n0, item.n1);
+        for (; m < count; ++m) RankOneTile<1>(a, wa, tok + m, item.n0, item.n1);
+        continue;
+      }
       const int group_lanes = Rows::RowGroupLanes(a);
       // The rows rules are an expand's (a.k a rank); large shrink groups
       // come here for packing.
