@@ -182,11 +182,6 @@ struct PackKernel : KernelTypes<V, TX, TW, TO> {
       const Group& g = a.groups[item.group];
       const int64_t* tok = a.tokens + g.token_begin + item.m0;
       const int64_t count = item.m1 - item.m0;
-      const int64_t blocks = (item.n1 - item.n0 + kNT - 1) / kNT;
-      if (count > xc_tokens) {
-        xc.reset(new PackT[count * rows]);
-        xc_tokens = count;
-      }
       const TW* wa = w + g.adapter * a.w_adapter_stride;
       if (a.k == 1 && a.w_row_stride == 1) {
         int64_t m = 0;
@@ -194,6 +189,11 @@ struct PackKernel : KernelTypes<V, TX, TW, TO> {
           RankOneTile<kTM>(a, wa, tok + m, item.n0, item.n1);
         for (; m < count; ++m) RankOneTile<1>(a, wa, tok + m, item.n0, item.n1);
         continue;
+      }
+      const int64_t blocks = (item.n1 - item.n0 + kNT - 1) / kNT;
+      if (count > xc_tokens) {
+        xc.reset(new PackT[count * rows]);
+        xc_tokens = count;
       }
       const int group_lanes = Rows::RowGroupLanes(a);
       // The rows rules are an expand's (a.k a rank); large shrink groups
