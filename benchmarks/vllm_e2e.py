@@ -141,7 +141,7 @@ def settings_for(args: argparse.Namespace) -> Settings:
         shape=shape,
         adapters=preset.adapters,
         rank=preset.rank,
-        targets=tuple(args.targets.split(",")),
+        targets=args.targets,
         batch=args.batch or (min(16, preset.batch) if quick else preset.batch),
         max_tokens=args.max_tokens
         or (min(32, preset.max_tokens) if quick else preset.max_tokens),
@@ -251,7 +251,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             f"got {args.targets}"
         )
     # In the model's order, so that the cache and report names are one.
-    args.targets = ",".join(p for p in vllm_models.PROJECTIONS if p in targets)
+    args.targets = tuple(p for p in vllm_models.PROJECTIONS if p in targets)
     if args.max_tokens is not None and args.max_tokens < 2:
         parser.error("--max-tokens must be at least 2")
     if args.layers is not None and args.model != "llama-7b-layers":

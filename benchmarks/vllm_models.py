@@ -219,7 +219,8 @@ def write_adapter(
     from peft import LoraConfig
 
     path.mkdir(parents=True, exist_ok=True)
-    projections = {t: _projections(shape)[t] for t in targets}
+    every = _projections(shape)
+    projections = {t: every[t] for t in targets}
     LoraConfig(
         r=rank,
         lora_alpha=2 * rank,
