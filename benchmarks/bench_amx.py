@@ -3,7 +3,7 @@
 The forced "amx" path runs groups of at least AmxMinTokens tokens on the
 regular tiles (weights packed into VNNI pairs) and smaller groups on the
 swapped-operand tiles (weights read in place); the automatic rule (both
-thresholds in csrc/cpu/bgmv_params.h: AmxMinTokens, AmxSwapMinTokens)
+thresholds in csrc/cpu/tuning.h: AmxMinTokens, AmxSwapMinTokens)
 chooses between those and AVX512-BF16 per group. This table shows whether it
 chose well. Every case is timed side by side in one process, interleaved,
 medians of repeats; results are ratios, never one absolute time. Needs a CPU

@@ -35,7 +35,6 @@ struct PackKernel : KernelTypes<V, TX, TW, TO> {
   // zero for nc <= c < nc rounded up to kL; later columns are never read.
   static void Pack(const TW* w, int64_t row_stride, int64_t k, int nc,
                    PackT* P) {
-    if (k == 1 && row_stride == 1) return PackRankOne(w, nc, P);
     const int64_t rows = kPairs ? (k + 1) / 2 : k;
     int c0 = 0;
     if constexpr (V::kGather) {
@@ -57,24 +56,6 @@ struct PackKernel : KernelTypes<V, TX, TW, TO> {
         }
         P[j * kNT + c] = v;
       }
-    }
-  }
-
-  // Pack for rank 1 (vLLM's smallest max_lora_rank) in contiguous rows, as
-  // the AMX tiles take it (Run reads such weights in place, RankOneTile):
-  // the block is the weights themselves, converted a vector at a time
-  // (pairs: (w, 0), in a loop the compiler vectorizes), where Pack's
-  // transposes would move one element per row. Out of line: inlined, it
-  // changed how Pack compiles for the other ranks (#rank-one-pack).
-  [[gnu::noinline]] static void PackRankOne(const TW* w, int nc, PackT* P) {
-    if constexpr (kPairs) {
-      const int filled = (nc + kL - 1) / kL * kL;
-      for (int c = 0; c < nc; ++c) P[c] = w[c].x;
-      std::fill(P + nc, P + filled, PackT{});
-    } else {
-      int c = 0;
-      for (; c + kL <= nc; c += kL) V::Store(P + c, V::Load(w + c));
-      if (c < nc) V::Store(P + c, V::LoadPartial(w + c, nc - c));
     }
   }
 

@@ -74,10 +74,18 @@ constexpr int64_t kFallbackL2Bytes = int64_t{2} << 20;
 constexpr int64_t kMinColumnsPerItem = 512;
 constexpr int64_t kColumnAlign = 64;
 
-// Groups of at least AmxMinTokens(pack) tokens run the regular AMX tiles
-// (weights packed into VNNI pairs); smaller ones the swapped-operand tiles
-// or AVX512-BF16 (#amx-min-tokens). `pack`: expand, else shrink.
-constexpr int64_t AmxMinTokens(bool pack) { return pack ? 32 : 256; }
+// The rank fills one dimension of every AMX tile (expand: the reduction,
+// padded to 32; shrink: C's 16 columns): below this rank the tiles multiply
+// mostly padding and lose to AVX512-BF16 at any token count (#amx-min-rank).
+constexpr int64_t kAmxMinRank = 8;
+
+// Groups of at least AmxMinTokens(pack, rank) tokens run the regular AMX
+// tiles (weights packed into VNNI pairs); smaller ones the swapped-operand
+// tiles or AVX512-BF16 (#amx-min-tokens). `pack`: expand, else shrink.
+constexpr int64_t AmxMinTokens(bool pack, int64_t rank) {
+  if (rank < kAmxMinRank) return kNever;
+  return pack ? 32 : 256;
+}
 
 // Groups below AmxMinTokens run the swapped-operand AMX tiles from this many
 // tokens, else AVX512-BF16: the tiles' cost barely grows with k and tokens,
@@ -85,9 +93,9 @@ constexpr int64_t AmxMinTokens(bool pack) { return pack ? 32 : 256; }
 // rank), else shrink (`rows` is the rank).
 constexpr int64_t AmxSwapMinTokens(int64_t k, int64_t rows, bool pack) {
   if (pack) {
-    return k >= 32 ? 1 : k >= 16 ? 2 : k >= 8 ? 4 : kNever;
+    return k >= 32 ? 1 : k >= 16 ? 2 : k >= kAmxMinRank ? 4 : kNever;
   }
-  return rows >= 16 ? 2 : rows >= 8 ? 4 : kNever;
+  return rows >= 16 ? 2 : rows >= kAmxMinRank ? 4 : kNever;
 }
 
 // How the kernels multiply the weights: as bf16 pairs (vdpbf16ps), as even
