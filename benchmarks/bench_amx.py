@@ -118,8 +118,8 @@ def main() -> None:
             for isa in _PATHS:  # Warm-up.
                 _median_time(ours, isa, 1, 3)
             inner = max(1, int(2e-3 / _median_time(ours, "amx", 1, 1)))
-            # The order rotates: a fixed one gave the path timed after
-            # AVX512-BF16 10-28% longer shrinks than the same path before it.
+            # The order rotates: in a fixed one, the path timed right after
+            # AVX512-BF16 measured slower shrinks (CHANGELOG, 2026-12-06).
             times = timing.interleave(
                 {
                     name: functools.partial(_median_time, ours, isa, 1, inner)
