@@ -244,7 +244,7 @@ struct AmxSwapped {
 
   // One work item: its tokens, up to 16 at a time.
   static void RunItem(const LoraArgs& a, const WorkItem& item,
-                      std::unique_ptr<uint32_t[]>& bt, int64_t& bt_size) {
+                      AlignedArray<uint32_t>& bt, int64_t& bt_size) {
     const Group& g = a.groups[item.group];
     const int64_t* tok = a.tokens + g.token_begin;
     const c10::BFloat16* wa =
@@ -252,7 +252,7 @@ struct AmxSwapped {
     const int64_t blocks = (a.k + 31) / 32;
     if (blocks * 16 * kTileRows > bt_size) {
       bt_size = blocks * 16 * kTileRows;
-      bt.reset(new uint32_t[bt_size]);
+      bt = NewAligned<uint32_t>(bt_size);
     }
     for (int64_t m = item.m0; m < item.m1; m += kTileRows) {
       const int mt =
@@ -372,12 +372,12 @@ struct AmxKernel {
   static void Run(const LoraArgs& a, const WorkItem* items, int64_t begin,
                   int64_t end) {
     using Swapped = AmxSwapped<TX, TO>;
-    std::unique_ptr<uint32_t[]> bt;
+    AlignedArray<uint32_t> bt;
     int64_t bt_size = 0;
     const int64_t pair_rows = PairRows(a.k);
     const int64_t block_size = pair_rows * kNT;
     PackedBlocks<uint32_t> P;
-    std::unique_ptr<uint16_t[]> X;
+    AlignedArray<uint16_t> X;
     alignas(64) float C[kTileRows * kNT];
     bool configured = false;
     bool used_tiles = false;
@@ -406,7 +406,7 @@ struct AmxKernel {
       }
       flush(it);
       if (!configured) {
-        if (!X) X.reset(new uint16_t[kTileRows * 2 * pair_rows]);
+        if (!X) X = NewAligned<uint16_t>(kTileRows * 2 * pair_rows);
         ConfigureTiles();
         configured = true;
         used_tiles = true;

@@ -10,8 +10,10 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <new>
 #include <type_traits>
 
 #include "kernel_interface.h"
@@ -91,6 +93,24 @@ struct SplitVec<V, true, PV> {
   using Type = typename V::Split;
 };
 
+// Buffers whose rows the AMX tiles and vector loads read as whole cache
+// lines: `new` aligns to 16 bytes only, so 64-byte rows would straddle two
+// lines each (#aligned-buffers).
+struct FreeDeleter {
+  void operator()(void* p) const { std::free(p); }
+};
+template <class T>
+using AlignedArray = std::unique_ptr<T[], FreeDeleter>;
+template <class T>
+AlignedArray<T> NewAligned(int64_t count) {
+  constexpr size_t kLine = 64;
+  const size_t bytes =
+      (std::max<size_t>(count * sizeof(T), 1) + kLine - 1) / kLine * kLine;
+  void* p = std::aligned_alloc(kLine, bytes);
+  if (p == nullptr) throw std::bad_alloc();
+  return AlignedArray<T>(static_cast<T*>(p));
+}
+
 // A work item's packed weight blocks, kept for the next item: a run of
 // items over the same adapter and columns (launch.cpp orders them so)
 // packs once.
@@ -103,7 +123,7 @@ class PackedBlocks {
   bool NeedsPacking(const void* w, int64_t n0, int64_t n1, int64_t size) {
     if (w == w_ && n0 == n0_ && n1 == n1_) return false;
     if (size > size_) {
-      data_.reset(new T[size]);
+      data_ = NewAligned<T>(size);
       size_ = size;
     }
     w_ = w;
@@ -114,7 +134,7 @@ class PackedBlocks {
   T* data() const { return data_.get(); }
 
  private:
-  std::unique_ptr<T[]> data_;
+  AlignedArray<T> data_;
   int64_t size_ = 0;
   const void* w_ = nullptr;
   int64_t n0_ = 0, n1_ = 0;
