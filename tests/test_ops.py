@@ -1591,8 +1591,10 @@ def test_torch_compile_fullgraph():
 @pytest.mark.parametrize("op", ("bgmv_shrink", "sgmv_expand", "bgmv_expand"))
 def test_default_isa(op, dtypes, monkeypatch):
     """Without VLLM_CPU_LORA_ISA the best path runs, with its own per-call
-    choices (e.g. AMX tiles only for large groups): adapter groups of 1 to
-    40 tokens in one call."""
+    choices (e.g. AMX tiles only for large groups, from fewer tokens where
+    they read the input rows in place: consecutive rows, a hidden size of
+    whole 32-element blocks): adapter groups of 1 to 48 tokens in one
+    call."""
     monkeypatch.delenv("VLLM_CPU_LORA_ISA", raising=False)
     best = vllm_cpu_lora.isa()
     assert best == vllm_cpu_lora.supported_isas()[0]
@@ -1606,7 +1608,7 @@ def test_default_isa(op, dtypes, monkeypatch):
             batches=4,
             max_seq_length=40,
         )
-    for rank, wide in ((16, 100), (64, 17)):
+    for rank, wide in ((16, 100), (64, 17), (16, 112)):
         if op == "bgmv_shrink":
             call = shrink_call(
                 op,
@@ -1620,7 +1622,7 @@ def test_default_isa(op, dtypes, monkeypatch):
             )
             # One large group, a few small ones, and -1 rows.
             call.args[3][:batch] = torch.tensor(
-                [2] * 40 + [0] + [3] * 15 + [1] * 3 + [-1]
+                [2] * 48 + [0] + [3] * 7 + [1] * 3 + [-1]
             )
         else:
             call = expand_call(

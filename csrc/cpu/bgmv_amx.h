@@ -364,6 +364,15 @@ struct AmxKernel {
     }
   }
 
+  // Whether input rows tok[0..count) (ascending) can be read in place as A
+  // tiles: consecutive rows of bf16 in whole 32-element blocks (sgmv,
+  // prefill, a decode batch on one adapter).
+  static bool RowsInPlace(const LoraArgs& a, const int64_t* tok,
+                          int64_t count) {
+    return std::is_same_v<TX, c10::BFloat16> && a.k % 32 == 0 &&
+           tok[count - 1] - tok[0] == count - 1;
+  }
+
   // Per work item: pack all of its columns (PairRows(k) x 64 per block of 64
   // columns; kept for the next item of the same columns), then per 16
   // tokens gather their inputs once and sweep along the columns, so output
@@ -392,7 +401,10 @@ struct AmxKernel {
     for (int64_t it = begin; it < end; ++it) {
       const WorkItem& item = items[it];
       const Group& g = a.groups[item.group];
-      if (g.token_count < a.amx_min_tokens) {
+      const int64_t rank = kPackStrategy ? a.k : item.n1 - item.n0;
+      const int64_t* tok = a.tokens + g.token_begin;
+      if (g.token_count < AmxMinTokens(kPackStrategy, rank,
+                                       RowsInPlace(a, tok, g.token_count))) {
         if (Swapped::Applies(a) &&
             (a.amx_forced ||
              g.token_count >=
@@ -416,7 +428,6 @@ struct AmxKernel {
         return static_cast<int>(
             std::min<int64_t>(kNT, item.n1 - item.n0 - b * kNT));
       };
-      const int64_t* tok = a.tokens + g.token_begin;
       const c10::BFloat16* wa = w + g.adapter * a.w_adapter_stride;
       if (P.NeedsPacking(wa, item.n0, item.n1, blocks * block_size)) {
         for (int64_t b = 0; b < blocks; ++b) {
@@ -427,12 +438,11 @@ struct AmxKernel {
       for (int64_t m = item.m0; m < item.m1; m += kTileRows) {
         const int mt =
             static_cast<int>(std::min<int64_t>(kTileRows, item.m1 - m));
-        // Whole tiles of consecutive bf16 rows are read in place (sgmv,
-        // prefill); anything else is gathered into X first.
+        // Whole tiles are read in place where they can be; anything else is
+        // gathered into X first.
         const uint16_t* A = X.get();
         int64_t a_stride = 2 * pair_rows * sizeof(uint16_t);
-        if (std::is_same_v<TX, c10::BFloat16> && mt == kTileRows &&
-            a.k % 32 == 0 && tok[m + kTileRows - 1] - tok[m] == kTileRows - 1) {
+        if (mt == kTileRows && RowsInPlace(a, tok + m, kTileRows)) {
           A = static_cast<const uint16_t*>(a.x) + tok[m] * a.x_row_stride;
           a_stride = a.x_row_stride * sizeof(uint16_t);
         } else {

@@ -46,10 +46,8 @@ struct LoraArgs {
   bool add;
   const int64_t* tokens;
   const Group* groups;
-  // AMX kernels only: groups with fewer tokens (AmxMinTokens) run the
-  // swapped-operand tiles (AmxSwapMinTokens, or always where amx_forced) or
-  // the AVX512-BF16 kernel.
-  int64_t amx_min_tokens;
+  // AMX kernels only: groups below AmxMinTokens run the swapped-operand
+  // tiles always (else from AmxSwapMinTokens) or the AVX512-BF16 kernel.
   bool amx_forced;
 };
 

@@ -163,7 +163,6 @@ void Run(const Product& p, c10::ArrayRef<Group> all_groups,
   a.add = p.add;
   a.tokens = tokens.data();
   a.groups = groups.data();
-  a.amx_min_tokens = AmxMinTokens(pack, pack ? k : p.n);
   a.amx_forced = choice.forced;
 
   int64_t total_tokens = 0;

@@ -79,12 +79,15 @@ constexpr int64_t kColumnAlign = 64;
 // mostly padding and lose to AVX512-BF16 at any token count (#amx-min-rank).
 constexpr int64_t kAmxMinRank = 8;
 
-// Groups of at least AmxMinTokens(pack, rank) tokens run the regular AMX
-// tiles (weights packed into VNNI pairs); smaller ones the swapped-operand
-// tiles or AVX512-BF16 (#amx-min-tokens). `pack`: expand, else shrink.
-constexpr int64_t AmxMinTokens(bool pack, int64_t rank) {
+// Groups of at least AmxMinTokens(pack, rank, rows_in_place) tokens run the
+// regular AMX tiles (weights packed into VNNI pairs); smaller ones the
+// swapped-operand tiles or AVX512-BF16. A shrink whose input rows the tiles
+// read in place pays only for the packing, from 48 tokens; gathering the
+// rows too pays from 256 (#amx-min-tokens). `pack`: expand, else shrink.
+constexpr int64_t AmxMinTokens(bool pack, int64_t rank, bool rows_in_place) {
   if (rank < kAmxMinRank) return kNever;
-  return pack ? 32 : 256;
+  if (pack) return 32;
+  return rows_in_place ? 48 : 256;
 }
 
 // Groups below AmxMinTokens run the swapped-operand AMX tiles from this many
