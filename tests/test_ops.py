@@ -622,22 +622,32 @@ def test_shrink_grid(op, dtypes, shape, isa):
     check(call, isa)
 
 
-# Shrink groups of at least 128 tokens and 64 ranks (ShrinkPacks,
-# csrc/cpu/tuning.h) take the pack tiles where the products are bf16 pairs,
-# with 72 ranks (a whole 64-column tile and a part of one). Their tiles read
-# bf16 inputs in place where the tokens are consecutive rows and each pair is
-# aligned as one: (pattern, hidden, x layout) covers that, with rows longer
-# than hidden ("pad2"), and each way out of it: -1 rows among the adapter's
-# tokens ("mixed"), an odd hidden size (a half pair), rows at odd element
-# offsets ("embedded") or an odd number of elements apart ("pad1").
+# Shrink groups of at least 128 tokens take the pack tiles from 64 ranks
+# where the products are bf16 pairs (ShrinkPacks, csrc/cpu/tuning.h) and
+# from 16 ranks up to two vectors where they are fp32 FMAs on 16 lanes
+# (ShrinkPacksFma). (pattern, hidden, rank, batch, x layout):
+# - rank 72 (a whole 64-column tile and a part of one): the pair tiles read
+#   bf16 inputs in place where the tokens are consecutive rows and each pair
+#   is aligned as one; with rows longer than hidden ("pad2"), and each way
+#   out of it: -1 rows among the adapter's tokens ("mixed"), an odd hidden
+#   size (a half pair), rows at odd element offsets ("embedded") or an odd
+#   number of elements apart ("pad1");
+# - ranks 16, 20 and 32 (one vector, part of a second one, two): the FMA
+#   tiles' tall tiles, which convert the inputs themselves 16 entries of each
+#   token at a time, with a token tail below their height and a partial
+#   chunk (odd hidden).
 SHRINK_PACK_MIN_TOKENS = 128
 SHRINK_PACK_CASES = (
-    ("same", 1024, "contiguous"),
-    ("same", 1024, "embedded"),
-    ("same", 1024, "pad1"),
-    ("same", 1024, "pad2"),
-    ("mixed", 1024, "contiguous"),
-    ("mixed", 1025, "contiguous"),
+    ("same", 1024, 72, 600, "contiguous"),
+    ("same", 1024, 72, 600, "embedded"),
+    ("same", 1024, 72, 600, "pad1"),
+    ("same", 1024, 72, 600, "pad2"),
+    ("mixed", 1024, 72, 600, "contiguous"),
+    ("mixed", 1025, 72, 600, "contiguous"),
+    ("same", 1025, 16, 140, "contiguous"),
+    ("mixed", 1024, 20, 800, "contiguous"),
+    ("same", 333, 32, 136, "pad1"),
+    ("same", 64, 16, 128, "embedded"),
 )
 
 
@@ -651,19 +661,19 @@ def padded_rows(t: torch.Tensor, pad: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    "case", SHRINK_PACK_CASES, ids=lambda c: "{}-h{}-{}".format(*c)
+    "case", SHRINK_PACK_CASES, ids=lambda c: "{}-h{}-r{}-B{}-{}".format(*c)
 )
 @pytest.mark.parametrize("dtypes", SHRINK_FAST_COMBOS, ids=dtypes_id)
 @pytest.mark.parametrize("op", SHRINK_OPS)
 def test_shrink_large_groups(op, dtypes, case, isa):
-    pattern, hidden, x_layout = case
+    pattern, hidden, rank, batch, x_layout = case
     gen = make_generator("shrink_large_groups", op, dtypes, *case)
     call = shrink_call(
         op,
         dtypes,
-        batch=600,
+        batch=batch,
         hidden=hidden,
-        rank=72,
+        rank=rank,
         loras=1,
         pattern=pattern,
         gen=gen,

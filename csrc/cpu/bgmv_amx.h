@@ -290,7 +290,7 @@ struct AmxKernel {
   static void PackAll(const c10::BFloat16* w, int64_t row_stride, int64_t k,
                       int nc, uint32_t* P) {
     for (int64_t kc = 0; kc < k; kc += kMaxPackK) {
-      Avx::Pack(w + kc, row_stride, std::min(kMaxPackK, k - kc), nc,
+      Avx::Pack(w + kc, row_stride, std::min(kMaxPackK, k - kc), nc, kNT,
                 P + kc / 2 * kNT);
     }
     const int64_t used = (k + 1) / 2;

@@ -153,7 +153,8 @@ struct DotKernel : KernelTypes<V, TX, TW, TO> {
   static bool Packs(const LoraArgs& a, const WorkItem& item) {
     const int64_t tokens = a.groups[item.group].token_count;
     const int64_t outputs = item.n1 - item.n0;
-    return (kPairs && ShrinkPacks(tokens, outputs)) ||
+    return (kPairs ? ShrinkPacks(tokens, outputs)
+                   : ShrinkPacksFma(tokens, outputs, kL)) ||
            ExpandPacks(tokens, a.k, outputs);
   }
 

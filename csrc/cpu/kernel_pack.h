@@ -31,16 +31,20 @@ struct PackKernel : KernelTypes<V, TX, TW, TO> {
   static constexpr int kNV = V::kPackVectors;  // Vectors per tile row.
   static constexpr int kNT = kNV * kL;         // Output columns per pack tile.
 
-  // P[j * kNT + c] = w[c][j] for c < nc (bf16 pairs: w[c][2j], w[c][2j+1]),
-  // zero for nc <= c < nc rounded up to kL; later columns are never read.
+  // Entries per row of a packed block of nc columns: whole vectors.
+  static constexpr int BlockWidth(int nc) { return (nc + kL - 1) / kL * kL; }
+
+  // P[j * stride + c] = w[c][j] for c < nc (bf16 pairs: w[c][2j],
+  // w[c][2j+1]), zero for nc <= c < BlockWidth(nc) <= stride; later columns
+  // are never read.
   static void Pack(const TW* w, int64_t row_stride, int64_t k, int nc,
-                   PackT* P) {
+                   int stride, PackT* P) {
     const int64_t rows = kPairs ? (k + 1) / 2 : k;
     int c0 = 0;
     if constexpr (V::kGather) {
-      c0 = V::template PackColumns<TW, kPairs>(w, row_stride, k, nc, kNT, P);
+      c0 = V::template PackColumns<TW, kPairs>(w, row_stride, k, nc, stride, P);
     }
-    const int filled = (nc + kL - 1) / kL * kL;
+    const int filled = BlockWidth(nc);
     for (int c = c0; c < filled; ++c) {
       const TW* row = w + c * row_stride;
       for (int64_t j = 0; j < rows; ++j) {
@@ -54,7 +58,7 @@ struct PackKernel : KernelTypes<V, TX, TW, TO> {
             v = static_cast<float>(row[j]);
           }
         }
-        P[j * kNT + c] = v;
+        P[j * stride + c] = v;
       }
     }
   }
@@ -95,53 +99,103 @@ struct PackKernel : KernelTypes<V, TX, TW, TO> {
     }
   }
 
-  // out rows tok[0..MT), columns [n, n + nc): the packed block P times the
-  // converted inputs xc (rows entries per token, x_stride apart). kFull:
-  // nc == kNT, known at compile time so the accumulators stay in registers.
-  template <int MT, bool kFull>
+  // out rows tok[0..MT), columns [n, n + nc), nc <= NV * kL: the packed
+  // block P (NV * kL entries a row) times the converted inputs xc, token i's
+  // entry j at xc[i * x_stride + j]; or (kConvert, fp32 products only) times
+  // the inputs in x, converted kL entries of each token at a time into a
+  // buffer that the tile reads from one pointer (a tall tile would hold a
+  // pointer per token; #shrink-packs-fma).
+  template <int MT, int NV, bool kConvert = false>
   static void PackTile(const LoraArgs& a, const PackT* P, const PackT* xc,
                        int64_t x_stride, int64_t rows, const int64_t* tok,
                        int64_t n, int nc) {
     TO* out = static_cast<TO*>(a.out);
-    const int nv = kFull ? kNV : (nc + kL - 1) / kL;  // Vectors in use.
-    F acc[MT][kNV];
+    F acc[MT][NV];
     for (int i = 0; i < MT; ++i)
-      for (int v = 0; v < kNV; ++v) acc[i][v] = V::Zero();
-    for (int64_t j = 0; j < rows; ++j) {
-      const PackT* pj = P + j * kNT;
+      for (int v = 0; v < NV; ++v) acc[i][v] = V::Zero();
+    // The products of P's row j with the inputs xj[i * token_stride].
+    auto step = [&](int64_t j, const PackT* xj, int64_t token_stride) {
+      const PackT* pj = P + j * NV * kL;
       if constexpr (kPairs) {
-        typename V::BH wv[kNV];
-        for (int v = 0; v < kNV; ++v)
-          if (v < nv) wv[v] = V::LoadPacked(pj + v * kL);
+        typename V::BH wv[NV];
+        for (int v = 0; v < NV; ++v) wv[v] = V::LoadPacked(pj + v * kL);
+#pragma GCC unroll 16
         for (int i = 0; i < MT; ++i) {
-          const typename V::BH xb = V::BroadcastPair(xc[i * x_stride + j]);
-          for (int v = 0; v < kNV; ++v)
-            if (v < nv) acc[i][v] = V::Dot(acc[i][v], xb, wv[v]);
+          const typename V::BH xb = V::BroadcastPair(xj[i * token_stride]);
+          for (int v = 0; v < NV; ++v) acc[i][v] = V::Dot(acc[i][v], xb, wv[v]);
         }
       } else {
-        F wv[kNV];
-        for (int v = 0; v < kNV; ++v)
-          if (v < nv) wv[v] = V::Load(pj + v * kL);
+        F wv[NV];
+        for (int v = 0; v < NV; ++v) wv[v] = V::Load(pj + v * kL);
+#pragma GCC unroll 16
         for (int i = 0; i < MT; ++i) {
-          const F xb = V::Set1(xc[i * x_stride + j]);
-          for (int v = 0; v < kNV; ++v)
-            if (v < nv) acc[i][v] = V::Fma(xb, wv[v], acc[i][v]);
+          const F xb = V::Set1(xj[i * token_stride]);
+          for (int v = 0; v < NV; ++v) acc[i][v] = V::Fma(xb, wv[v], acc[i][v]);
         }
       }
+    };
+    if constexpr (kConvert) {
+      static_assert(!kPairs);
+      const TX* x = static_cast<const TX*>(a.x);
+      alignas(64) PackT converted[MT * kL];
+      for (int64_t j0 = 0; j0 < rows; j0 += kL) {
+        const int chunk = static_cast<int>(std::min<int64_t>(kL, rows - j0));
+        for (int i = 0; i < MT; ++i) {
+          const TX* xr = x + tok[i] * a.x_row_stride + j0;
+          V::Store(converted + i * kL,
+                   chunk == kL ? V::Load(xr) : V::LoadPartial(xr, chunk));
+        }
+        for (int jj = 0; jj < chunk; ++jj) step(j0 + jj, converted + jj, kL);
+      }
+    } else {
+      for (int64_t j = 0; j < rows; ++j) step(j, xc + j, x_stride);
     }
     // Unrolled: acc indexed by a variable would live in memory, stored
     // to on every step of the loop above.
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int i = 0; i < MT; ++i) {
       StoreRow(a, out + tok[i] * a.out_row_stride + n, acc[i], nc);
     }
   }
 
-  // o[0..nc) = scale * acc (+ o), nc <= kNT.
-  static void StoreRow(const LoraArgs& a, TO* o, const F (&acc)[kNV], int nc) {
-    for (int v = 0; v < kNV && v * kL < nc; ++v) {
+  // o[0..nc) = scale * acc (+ o), nc <= NV * kL.
+  template <int NV>
+  static void StoreRow(const LoraArgs& a, TO* o, const F (&acc)[NV], int nc) {
+    for (int v = 0; v < NV && v * kL < nc; ++v) {
       StoreVec(a, o + v * kL, acc[v], nc - v * kL);
     }
+  }
+
+  // fn(std::integral_constant<int, nv>{}) for nv in [1, kNV].
+  template <int NV = kNV, class Fn>
+  static void WithVectors(int nv, Fn&& fn) {
+    if constexpr (NV > 1) {
+      if (nv < NV) return WithVectors<NV - 1>(nv, fn);
+    }
+    fn(std::integral_constant<int, NV>{});
+  }
+
+  // Tiles of tokens tok[0..count) against the only block P of an item,
+  // columns [n, n + nc): where it is narrower than kNT (a shrink's ranks)
+  // and the products are fp32 FMAs, as many tokens a tile as keep kTM * kNV
+  // accumulators busy, up to 16, their inputs converted by the tile
+  // (#shrink-packs-fma). Returns the tokens they took, from the front.
+  static int64_t TallTiles(const LoraArgs& a, const PackT* P,
+                           const int64_t* tok, int64_t count, int64_t n,
+                           int nc) {
+    int64_t m = 0;
+    WithVectors(BlockWidth(nc) / kL, [&](auto vectors) {
+      constexpr int kNVec = decltype(vectors)::value;
+      constexpr int kTall = kTM * kNV / kNVec;
+      static_assert(kTall <= 16, "PackTile unrolls up to 16 tokens");
+      if constexpr (!kPairs && kTall > kTM) {
+        const int64_t rows = a.k;
+        for (; m + kTall <= count; m += kTall) {
+          PackTile<kTall, kNVec, true>(a, P, nullptr, 0, rows, tok + m, n, nc);
+        }
+      }
+    });
+    return m;
   }
 
   // Per work item: convert its tokens' inputs (unless x holds them already
@@ -150,7 +204,7 @@ struct PackKernel : KernelTypes<V, TX, TW, TO> {
   // kNT-column block after another, rows * kNT entries each; kept for the
   // next item of the same columns), then sweep each token tile along the
   // columns, so every output row is written front to back (output traffic
-  // dominates a large expand).
+  // dominates a large expand); an item of one block starts with TallTiles.
   static void Run(const LoraArgs& a, const WorkItem* items, int64_t begin,
                   int64_t end) {
     const int64_t rows = kPairs ? (a.k + 1) / 2 : a.k;
@@ -162,7 +216,7 @@ struct PackKernel : KernelTypes<V, TX, TW, TO> {
       const WorkItem& item = items[it];
       const Group& g = a.groups[item.group];
       const int64_t* tok = a.tokens + g.token_begin + item.m0;
-      const int64_t count = item.m1 - item.m0;
+      int64_t count = item.m1 - item.m0;
       const TW* wa = w + g.adapter * a.w_adapter_stride;
       if (a.k == 1 && a.w_row_stride == 1) {
         int64_t m = 0;
@@ -186,6 +240,24 @@ struct PackKernel : KernelTypes<V, TX, TW, TO> {
                   group_lanes);
         continue;
       }
+      auto block_cols = [&](int64_t b) {
+        return static_cast<int>(
+            std::min<int64_t>(kNT, item.n1 - item.n0 - b * kNT));
+      };
+      if (packed.NeedsPacking(wa, item.n0, item.n1, blocks * rows * kNT)) {
+        for (int64_t b = 0; b < blocks; ++b) {
+          const int nc = block_cols(b);
+          Pack(wa + (item.n0 + b * kNT) * a.w_row_stride, a.w_row_stride, a.k,
+               nc, BlockWidth(nc), packed.data() + b * rows * kNT);
+        }
+      }
+      if (blocks == 1) {
+        const int64_t done =
+            TallTiles(a, packed.data(), tok, count, item.n0, block_cols(0));
+        tok += done;
+        count -= done;
+        if (count == 0) continue;
+      }
       const PackT* xs = xc.get();
       int64_t x_stride = rows;
       if (Base::PairsInPlace(a, tok, count)) {
@@ -194,39 +266,24 @@ struct PackKernel : KernelTypes<V, TX, TW, TO> {
       } else {
         ConvertInputs(a, tok, count, xc.get());
       }
-      auto block_cols = [&](int64_t b) {
-        return static_cast<int>(
-            std::min<int64_t>(kNT, item.n1 - item.n0 - b * kNT));
-      };
-      if (packed.NeedsPacking(wa, item.n0, item.n1, blocks * rows * kNT)) {
-        for (int64_t b = 0; b < blocks; ++b) {
-          Pack(wa + (item.n0 + b * kNT) * a.w_row_stride, a.w_row_stride, a.k,
-               block_cols(b), packed.data() + b * rows * kNT);
-        }
-      }
-      auto sweep = [&](auto tile_m, int64_t m) {
+      int64_t m = 0;
+      // Token tiles of MT from m on, each swept along the blocks.
+      auto sweep = [&](auto tile_m) {
         constexpr int kMT = decltype(tile_m)::value;
-        for (int64_t b = 0; b < blocks; ++b) {
-          const int nc = block_cols(b);
-          const PackT* block = packed.data() + b * rows * kNT;
-          const int64_t n = item.n0 + b * kNT;
-          if (nc == kNT) {
-            PackTile<kMT, true>(a, block, xs + m * x_stride, x_stride, rows,
-                                tok + m, n, nc);
-          } else {
-            PackTile<kMT, false>(a, block, xs + m * x_stride, x_stride, rows,
-                                 tok + m, n, nc);
+        for (; m + kMT <= count; m += kMT) {
+          for (int64_t b = 0; b < blocks; ++b) {
+            const int nc = block_cols(b);
+            WithVectors(BlockWidth(nc) / kL, [&](auto vectors) {
+              PackTile<kMT, vectors>(a, packed.data() + b * rows * kNT,
+                                     xs + m * x_stride, x_stride, rows, tok + m,
+                                     item.n0 + b * kNT, nc);
+            });
           }
         }
       };
-      int64_t m = 0;
-      for (; m + kTM <= count; m += kTM)
-        sweep(std::integral_constant<int, kTM>{}, m);
-      if constexpr (kTM > 2) {
-        for (; m + 2 <= count; m += 2)
-          sweep(std::integral_constant<int, 2>{}, m);
-      }
-      for (; m < count; ++m) sweep(std::integral_constant<int, 1>{}, m);
+      sweep(std::integral_constant<int, kTM>{});
+      if constexpr (kTM > 2) sweep(std::integral_constant<int, 2>{});
+      sweep(std::integral_constant<int, 1>{});
     }
   }
 };

@@ -25,6 +25,17 @@ constexpr bool ShrinkPacks(int64_t tokens, int64_t ranks) {
   return tokens >= 128 && ranks >= 64;
 }
 
+// Where the products are fp32 FMAs on 16 lanes, shrink groups of at least
+// 128 tokens and 16 ranks up to two vectors take the pack tiles: their tall
+// tiles (16 or 8 tokens) need no horizontal sums nor per-pass widening, one
+// broadcast input feeding `ranks` products, and repay packing the weights
+// from 128 tokens (rank 32 from 64); fewer ranks leave the broadcasts
+// binding, more re-read the packed weights from L2 every 4-5 tokens, and on
+// 8 lanes (AVX2) 6 tokens a tile barely beat the dot tiles (#shrink-packs-fma).
+constexpr bool ShrinkPacksFma(int64_t tokens, int64_t ranks, int lanes) {
+  return lanes >= 16 && tokens >= 128 && ranks >= 16 && ranks <= 2 * lanes;
+}
+
 // Expand groups (more outputs than k) of at least 32 tokens with ranks up to
 // vLLM's largest max_lora_rank, 512, take the pack tiles even beyond
 // kMaxPackK: the dot tiles end each output with a horizontal sum and read
