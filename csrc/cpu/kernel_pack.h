@@ -226,17 +226,21 @@ struct PackKernel : KernelTypes<V, TX, TW, TO> {
         continue;
       }
       const int64_t blocks = (item.n1 - item.n0 + kNT - 1) / kNT;
-      if (count > xc_tokens) {
-        xc.reset(new PackT[count * rows]);
-        xc_tokens = count;
-      }
+      // The converted inputs of tokens tok[0..count), in xc.
+      auto convert = [&] {
+        if (count > xc_tokens) {
+          xc.reset(new PackT[count * rows]);
+          xc_tokens = count;
+        }
+        ConvertInputs(a, tok, count, xc.get());
+        return xc.get();
+      };
       const int group_lanes = Rows::RowGroupLanes(a);
       // The rows rules are an expand's (a.k a rank); large shrink groups
       // come here for packing.
       if (a.k <= kMaxPackK &&
           count <= V::RowsMaxTokens(a.k, group_lanes > 0, Base::kProducts)) {
-        ConvertInputs(a, tok, count, xc.get());
-        Rows::Run(a, wa, xc.get(), rows, tok, count, item.n0, item.n1,
+        Rows::Run(a, wa, convert(), rows, tok, count, item.n0, item.n1,
                   group_lanes);
         continue;
       }
@@ -258,13 +262,13 @@ struct PackKernel : KernelTypes<V, TX, TW, TO> {
         count -= done;
         if (count == 0) continue;
       }
-      const PackT* xs = xc.get();
+      const PackT* xs;
       int64_t x_stride = rows;
       if (Base::PairsInPlace(a, tok, count)) {
         xs = static_cast<const PackT*>(a.x) + tok[0] * a.x_row_stride / 2;
         x_stride = a.x_row_stride / 2;
       } else {
-        ConvertInputs(a, tok, count, xc.get());
+        xs = convert();
       }
       int64_t m = 0;
       // Token tiles of MT from m on, each swept along the blocks.
