@@ -119,6 +119,46 @@ def test_lora_expand_zero_inputs(dtypes, add, isa):
     check_unread_weights(call, isa, poison)
 
 
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_slices_of_views(shape, isa):
+    """Stacked outputs and inputs, and [L, 1, rows, cols] weights, that are
+    views into larger buffers (a storage offset, padded strides; the
+    inputs' columns strided): the ops take these apart themselves, not
+    through torch's select. The oracle's result, and the buffer outside the
+    output view unchanged."""
+    gen = make_generator("slices of views", shape)
+    dtypes = SHRINK_FAST_COMBOS[0]
+    shrink = shrink_call(dtypes, shape, "mixed", gen)
+    weights = shrink.args[1][-1]
+    loras, _, rank, hidden = weights.shape
+    padded = torch.empty((loras, 3, rank, hidden + 2), dtype=weights.dtype)
+    shrink.args[1][-1] = padded[:, 1:2, :, 1:-1].copy_(weights)
+    out = shrink.args[2]
+    slices, tokens, width = out.shape
+    buffer = make_output(
+        (slices + 1, tokens + 2, width + 3), out.dtype, gen, add=False
+    )
+    inside = (slice(1, None), slice(1, -1), slice(2, -1))
+    buffer[inside] = out
+    before = buffer.clone()
+    shrink.args[2] = buffer[inside]
+    check(shrink, isa)
+    outside = torch.ones_like(buffer, dtype=torch.bool)
+    outside[inside] = False
+    torch.testing.assert_close(
+        buffer[outside], before[outside], rtol=0, atol=0, equal_nan=True
+    )
+
+    expand = expand_call(EXPAND_FAST_COMBOS[0], shape, "mixed", True, gen)
+    x = expand.args[0]
+    columns_strided = torch.empty(
+        (slices + 1, x.size(2), tokens), dtype=x.dtype
+    )[1:].transpose(1, 2)
+    columns_strided.copy_(x)
+    expand.args[0] = columns_strided
+    check(expand, isa)
+
+
 @st.composite
 def drawn_shapes(draw):
     """(tokens, hidden, rank, adapters, slice rows) of any size, 1-3 slices

@@ -14,7 +14,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
-#include <string>
 #include <vector>
 
 #include "call_counts.h"
@@ -68,7 +67,7 @@ void Shrink(const at::Tensor& inputs, const at::Tensor& lora_a_weights,
   const Grouping g = group(w.num_adapters);
   p.n = w.rows;
   p.scale = static_cast<float>(scaling);
-  ZeroRows(p.out, g.no_lora, p.n);
+  ZeroRows(*p.out, g.no_lora, 0, p.n);
   Run(p, g.groups, g.tokens);
 }
 
@@ -137,11 +136,6 @@ void BgmvExpand(const at::Tensor& inputs, const at::Tensor& lora_b_weights,
 
 namespace {
 
-// "name[s]", for the errors about one slice.
-std::string SliceName(const char* name, int64_t s) {
-  return std::string(name) + "[" + std::to_string(s) + "]";
-}
-
 // The slices of a multi-slice op all have the adapter count of the first:
 // the tokens are grouped once for all of them.
 void CheckAdapterCounts(const char* name, c10::ArrayRef<Weights> views) {
@@ -186,31 +180,35 @@ void LoraShrink(const at::Tensor& inputs, at::TensorList lora_a_weights,
                       (output_tensor.size(1) - 1) * output_tensor.stride(1) +
                           output_tensor.size(2),
               "output_tensor has slices that share memory");
+  // Built before the products, which borrow them.
+  c10::SmallVector<at::Tensor, 3> outputs;
+  for (int64_t s = 0; s < slices; ++s) {
+    outputs.push_back(Slice(output_tensor, s));
+  }
   c10::SmallVector<Weights, 3> views(slices);
   c10::SmallVector<Product, 3> products;
   for (int64_t s = 0; s < slices; ++s) {
-    const std::string w_name = SliceName("lora_a_weights", s);
-    const std::string out_name = SliceName("output_tensor", s);
-    Product p = Prepare(inputs, "inputs", lora_a_weights[s], w_name.c_str(),
-                        output_tensor[s], out_name.c_str(), token_lora_indices,
-                        &views[s]);
+    const ArgName w_name("lora_a_weights", s);
+    Product p =
+        Prepare(inputs, "inputs", lora_a_weights[s], w_name, outputs[s],
+                ArgName("output_tensor", s), token_lora_indices, &views[s]);
     TORCH_CHECK(output_tensor.size(2) >= views[s].rows, "output_tensor has ",
                 output_tensor.size(2), " columns, fewer than the rank ",
                 views[s].rows, " of ", w_name);
     p.n = views[s].rows;
     p.scale = static_cast<float>(scaling);
-    products.push_back(p);
+    products.push_back(std::move(p));
   }
   // Each slice of the output is checked against its own weights above.
   for (int64_t s = 0; s < slices; ++s) {
     CheckNoOverlap(output_tensor, "output_tensor", lora_a_weights[s],
-                   SliceName("lora_a_weights", s).c_str());
+                   ArgName("lora_a_weights", s));
   }
   CheckAdapterCounts("lora_a_weights", views);
   const Grouping g =
       GroupTokens(token_lora_indices, inputs.size(0), views[0].num_adapters);
   for (const Product& p : products) {
-    ZeroRows(p.out, g.no_lora, p.n);
+    ZeroRows(*p.out, g.no_lora, 0, p.n);
     Run(p, g.groups, g.tokens);
   }
 }
@@ -228,15 +226,19 @@ void LoraExpand(const at::Tensor& inputs, at::TensorList lora_b_weights,
   const int64_t width = OutputWidth(output_tensor);
   TORCH_CHECK(offset_start >= 0 && offset_start <= width, "offset_start ",
               offset_start, " is outside output_tensor of width ", width);
+  // Built before the products, which borrow them.
+  c10::SmallVector<at::Tensor, 3> slice_inputs;
+  for (int64_t s = 0; s < slices; ++s) {
+    slice_inputs.push_back(Slice(inputs, s));
+  }
   c10::SmallVector<Weights, 3> views(slices);
   c10::SmallVector<Product, 3> products;
   int64_t col = offset_start;
   for (int64_t s = 0; s < slices; ++s) {
-    const std::string in_name = SliceName("inputs", s);
-    const std::string w_name = SliceName("lora_b_weights", s);
     Product p =
-        Prepare(inputs[s], in_name.c_str(), lora_b_weights[s], w_name.c_str(),
-                output_tensor, "output_tensor", token_lora_indices, &views[s]);
+        Prepare(slice_inputs[s], ArgName("inputs", s), lora_b_weights[s],
+                ArgName("lora_b_weights", s), output_tensor, "output_tensor",
+                token_lora_indices, &views[s]);
     TORCH_CHECK(views[s].rows <= width - col, "offset_start ", offset_start,
                 " and the rows of lora_b_weights[0..", s, "] (",
                 col - offset_start + views[s].rows,
@@ -245,7 +247,7 @@ void LoraExpand(const at::Tensor& inputs, at::TensorList lora_b_weights,
     p.n = views[s].rows;
     p.add = add_inputs;
     col += p.n;
-    products.push_back(p);
+    products.push_back(std::move(p));
   }
   CheckAdapterCounts("lora_b_weights", views);
   const Grouping g = GroupTokens(token_lora_indices, output_tensor.size(0),
@@ -315,8 +317,8 @@ void BgmvLowLevel(const at::Tensor& y, const at::Tensor& x, const at::Tensor& w,
               " must be between 0 and w.size(3) = ", w.size(3));
   TORCH_CHECK(h_out >= 0 && h_out <= w.size(2), "h_out ", h_out,
               " must be between 0 and w.size(2) = ", w.size(2));
-  const at::Tensor x_in = Matrix(x, "x");
-  TORCH_CHECK(x_in.size(1) == h_in, "x has ", x_in.size(1),
+  const c10::MaybeOwned<at::Tensor> x_in = Matrix(x, "x");
+  TORCH_CHECK(x_in->size(1) == h_in, "x has ", x_in->size(1),
               " columns but h_in is ", h_in);
   TORCH_CHECK(y.dim() == 2, "y must be 2-D, got shape ", y.sizes());
   TORCH_CHECK(FitsIn(y_offset, h_out, y.size(1)), "y_offset ", y_offset,
@@ -324,7 +326,7 @@ void BgmvLowLevel(const at::Tensor& y, const at::Tensor& x, const at::Tensor& w,
   const at::Tensor w3 =
       w.select(1, layer_idx).narrow(1, 0, h_out).narrow(2, 0, h_in);
   Weights wv;
-  Product p = Prepare(x_in, "x", w3, "w", y, "y", indicies, &wv);
+  Product p = Prepare(*x_in, "x", w3, "w", y, "y", indicies, &wv);
   CheckNoOverlap(y, "y", w, "w");
   // Entries past x's rows are not read (no vLLM op defines this one).
   const bool longer = indicies.dim() == 1 && indicies.size(0) > x.size(0);

@@ -8,12 +8,18 @@
 
 namespace vllm_cpu_lora {
 
-void CheckCpu(const at::Tensor& t, const char* name) {
+std::ostream& operator<<(std::ostream& out, const ArgName& arg) {
+  out << arg.name;
+  if (arg.slice >= 0) out << "[" << arg.slice << "]";
+  return out;
+}
+
+void CheckCpu(const at::Tensor& t, const ArgName& name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got one on ",
               t.device());
 }
 
-DType ToDType(const at::Tensor& t, const char* name) {
+DType ToDType(const at::Tensor& t, const ArgName& name) {
   switch (t.scalar_type()) {
     case at::kFloat:
       return DType::kFloat;
@@ -30,8 +36,8 @@ DType ToDType(const at::Tensor& t, const char* name) {
 // Where torch cannot tell (at::get_overlap_status answers TooHard for non-dense
 // views), any overlap of the two byte ranges counts: a false alarm is an error
 // message, a missed one a silently wrong result.
-void CheckNoOverlap(const at::Tensor& out, const char* out_name,
-                    const at::Tensor& other, const char* other_name) {
+void CheckNoOverlap(const at::Tensor& out, const ArgName& out_name,
+                    const at::Tensor& other, const ArgName& other_name) {
   const auto status = at::get_overlap_status(out, other);
   bool overlap = status == at::MemOverlapStatus::Full ||
                  status == at::MemOverlapStatus::Partial;
@@ -56,11 +62,28 @@ bool FitsIn(int64_t offset, int64_t size, int64_t width) {
   return offset >= 0 && size >= 0 && offset <= width && size <= width - offset;
 }
 
-at::Tensor Matrix(const at::Tensor& t, const char* name) {
+c10::MaybeOwned<at::Tensor> Matrix(const at::Tensor& t, const ArgName& name) {
   CheckCpu(t, name);
   ToDType(t, name);
   TORCH_CHECK(t.dim() == 2, name, " must be 2-D, got shape ", t.sizes());
-  return t.stride(1) == 1 || t.size(1) <= 1 ? t : t.contiguous();
+  if (t.stride(1) == 1 || t.size(1) <= 1) {
+    return c10::MaybeOwned<at::Tensor>::borrowed(t);
+  }
+  return c10::MaybeOwned<at::Tensor>::owned(t.contiguous());
+}
+
+at::Tensor Alias(const at::Tensor& t, c10::IntArrayRef sizes,
+                 c10::IntArrayRef strides, int64_t storage_offset) {
+  auto impl = c10::make_intrusive<c10::TensorImpl>(
+      c10::TensorImpl::VIEW, c10::Storage(t.storage()),
+      c10::DispatchKeySet(c10::DispatchKey::CPU), t.dtype());
+  impl->set_sizes_and_strides(sizes, strides, storage_offset);
+  return at::Tensor(std::move(impl));
+}
+
+at::Tensor Slice(const at::Tensor& t, int64_t index) {
+  return Alias(t, t.sizes().slice(1), t.strides().slice(1),
+               t.storage_offset() + index * t.stride(0));
 }
 
 IndexList ReadIndices(const at::Tensor& t, const char* name, int64_t count,
@@ -89,16 +112,25 @@ IndexList ReadIndices(const at::Tensor& t, const char* name, int64_t count,
   return values;
 }
 
-Weights ViewWeights(const at::Tensor& w, const char* name) {
+Weights ViewWeights(const at::Tensor& w, const ArgName& name) {
   CheckCpu(w, name);
   ToDType(w, name);
   TORCH_CHECK(w.dim() == 3 || (w.dim() == 4 && w.size(1) == 1), name,
               " must be [num_loras, rows, cols] or [num_loras, 1, rows, "
               "cols], got shape ",
               w.sizes());
-  at::Tensor w3 = w.dim() == 4 ? w.select(1, 0) : w;
-  if (w3.stride(2) != 1 && w3.size(2) > 1) w3 = w3.contiguous();
-  return Weights{w3, w3.size(0), w3.size(1), w3.size(2)};
+  // w.select(1, 0) of vLLM's [L, 1, rows, cols] stacks, as an Alias.
+  auto w3 = w.dim() == 4 ? c10::MaybeOwned<at::Tensor>::owned(
+                               Alias(w, {w.size(0), w.size(2), w.size(3)},
+                                     {w.stride(0), w.stride(2), w.stride(3)},
+                                     w.storage_offset()))
+                         : c10::MaybeOwned<at::Tensor>::borrowed(w);
+  if (w3->stride(2) != 1 && w3->size(2) > 1) {
+    w3 = c10::MaybeOwned<at::Tensor>::owned(w3->contiguous());
+  }
+  const int64_t num_adapters = w3->size(0), rows = w3->size(1),
+                cols = w3->size(2);
+  return Weights{std::move(w3), num_adapters, rows, cols};
 }
 
 Segments ReadSegments(const at::Tensor& b_seq_start_loc,
@@ -131,9 +163,9 @@ Segments ReadSegments(const at::Tensor& b_seq_start_loc,
   return s;
 }
 
-Product Prepare(const at::Tensor& inputs, const char* inputs_name,
-                const at::Tensor& weights, const char* weights_name,
-                const at::Tensor& output, const char* output_name,
+Product Prepare(const at::Tensor& inputs, const ArgName& inputs_name,
+                const at::Tensor& weights, const ArgName& weights_name,
+                const at::Tensor& output, const ArgName& output_name,
                 const at::Tensor& index_tensor, Weights* w) {
   Product p;
   p.isa = SelectIsa();
@@ -161,8 +193,8 @@ Product Prepare(const at::Tensor& inputs, const char* inputs_name,
   CheckNoOverlap(output, output_name, inputs, inputs_name);
   CheckNoOverlap(output, output_name, weights, weights_name);
   CheckNoOverlap(output, output_name, index_tensor, "the index tensors");
-  p.w = w->t;
-  p.out = output;
+  p.w = c10::MaybeOwned<at::Tensor>::borrowed(*w->t);
+  p.out = c10::MaybeOwned<at::Tensor>::borrowed(output);
   return p;
 }
 

@@ -3,8 +3,10 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/MaybeOwned.h>
 
 #include <cstdint>
+#include <ostream>
 
 #include "grouping.h"
 #include "kernel_interface.h"
@@ -15,21 +17,43 @@ namespace vllm_cpu_lora {
 // The range note of adapter index errors.
 inline constexpr const char* kLoraRange = " (-1 means no LoRA)";
 
-void CheckCpu(const at::Tensor& t, const char* name);
+// An argument's name in error messages: "inputs", or "inputs[2]" for a slice
+// of a multi-slice op. Formatted only when a check fails: a decode call
+// cannot afford building strings it will not print.
+struct ArgName {
+  ArgName(const char* name) : name(name) {}  // NOLINT(runtime/explicit)
+  ArgName(const char* name, int64_t slice) : name(name), slice(slice) {}
+  const char* name;
+  int64_t slice = -1;  // -1: the whole argument.
+};
+
+std::ostream& operator<<(std::ostream& out, const ArgName& arg);
+
+void CheckCpu(const at::Tensor& t, const ArgName& name);
 
 // The kernels' dtype of t: float32, bfloat16 or float16, else an error.
-DType ToDType(const at::Tensor& t, const char* name);
+DType ToDType(const at::Tensor& t, const ArgName& name);
 
 // Rejects an output that shares memory with another argument.
-void CheckNoOverlap(const at::Tensor& out, const char* out_name,
-                    const at::Tensor& other, const char* other_name);
+void CheckNoOverlap(const at::Tensor& out, const ArgName& out_name,
+                    const at::Tensor& other, const ArgName& other_name);
 
 // [offset, offset + size) within [0, width), without overflow.
 bool FitsIn(int64_t offset, int64_t size, int64_t width);
 
-// A 2-D floating-point CPU tensor whose rows are contiguous (t, or a
-// contiguous copy).
-at::Tensor Matrix(const at::Tensor& t, const char* name);
+// A 2-D floating-point CPU tensor whose rows are contiguous: t borrowed, or
+// a contiguous copy.
+c10::MaybeOwned<at::Tensor> Matrix(const at::Tensor& t, const ArgName& name);
+
+// A view of t's storage with the given geometry, made without the
+// dispatcher (its select costs ~0.4 us, most of a decode call's cost per
+// slice): the CPU dispatch key alone, for the checks and the kernels to
+// read, never handed back to the caller.
+at::Tensor Alias(const at::Tensor& t, c10::IntArrayRef sizes,
+                 c10::IntArrayRef strides, int64_t storage_offset);
+
+// t[index] of a strided tensor of 1 or more dimensions, as an Alias.
+at::Tensor Slice(const at::Tensor& t, int64_t index);
 
 // Reads the values of a 1-D CPU index tensor of exactly `count` entries
 // (`count_note` says why, e.g. "(batches)"), checking each lies in [lo, hi].
@@ -41,11 +65,12 @@ IndexList ReadIndices(const at::Tensor& t, const char* name, int64_t count,
 // Weights [L, rows, cols] (or [L, 1, rows, cols]) with a contiguous last
 // dimension.
 struct Weights {
-  at::Tensor t;  // 3-D view, kept alive for the call.
+  // 3-D: the argument borrowed, or a view or copy kept alive for the call.
+  c10::MaybeOwned<at::Tensor> t;
   int64_t num_adapters, rows, cols;
 };
 
-Weights ViewWeights(const at::Tensor& w, const char* name);
+Weights ViewWeights(const at::Tensor& w, const ArgName& name);
 
 // The segments of an sgmv call, checked as vLLM's ops need them: `batches`
 // entries each, back to back from token 0, covering all num_tokens.
@@ -55,10 +80,11 @@ Segments ReadSegments(const at::Tensor& b_seq_start_loc,
                       int64_t num_tokens, int64_t num_adapters);
 
 // The checks shared by every LoRA op. Returns the product with its ISA, x, w
-// and out set, and the weights' view in *w.
-Product Prepare(const at::Tensor& inputs, const char* inputs_name,
-                const at::Tensor& weights, const char* weights_name,
-                const at::Tensor& output, const char* output_name,
+// and out set, and the weights' view in *w. The product borrows inputs,
+// output and *w: they must outlive it.
+Product Prepare(const at::Tensor& inputs, const ArgName& inputs_name,
+                const at::Tensor& weights, const ArgName& weights_name,
+                const at::Tensor& output, const ArgName& output_name,
                 const at::Tensor& index_tensor, Weights* w);
 
 }  // namespace vllm_cpu_lora

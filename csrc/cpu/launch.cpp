@@ -101,10 +101,10 @@ bool IsZeroRow(const void* row, int64_t k) {
 // non-zero row usually ends the scan at its first element.
 GroupList GroupsWithInputs(const Product& p, c10::ArrayRef<Group> groups,
                            c10::ArrayRef<int64_t> tokens) {
-  const DType dtype = ToDType(p.x, "inputs");
-  const char* x = static_cast<const char*>(p.x.const_data_ptr());
-  const int64_t row_bytes = p.x.stride(0) * p.x.element_size();
-  const int64_t k = p.x.size(1);
+  const DType dtype = ToDType(*p.x, "inputs");
+  const char* x = static_cast<const char*>(p.x->const_data_ptr());
+  const int64_t row_bytes = p.x->stride(0) * p.x->element_size();
+  const int64_t k = p.x->size(1);
   GroupList live;
   for (const Group& g : groups) {
     const c10::ArrayRef<int64_t> rows =
@@ -126,7 +126,7 @@ GroupList GroupsWithInputs(const Product& p, c10::ArrayRef<Group> groups,
     if (!zero) {
       live.push_back(g);
     } else if (!p.add) {
-      ZeroRows(p.out.narrow(1, p.col0, p.n), rows, p.n);
+      ZeroRows(*p.out, rows, p.col0, p.n);
     }
   }
   return live;
@@ -140,24 +140,24 @@ void Run(const Product& p, c10::ArrayRef<Group> all_groups,
   const GroupList live = GroupsWithInputs(p, all_groups, tokens);
   const c10::ArrayRef<Group> groups = live;
   if (groups.empty()) return;
-  const int64_t k = p.x.size(1);
+  const int64_t k = p.x->size(1);
   const IsaChoice& choice = p.isa;
   const IsaKernels& kernels = KernelsFor(choice.isa);
   const bool pack = k <= kMaxPackK && p.n > k;
   const KernelFn fn = pack ? kernels.pack : kernels.dot;
 
   LoraArgs a{};
-  a.x = p.x.const_data_ptr();
-  a.x_row_stride = p.x.stride(0);
-  a.x_dtype = ToDType(p.x, "inputs");
-  a.w = p.w.const_data_ptr();
-  a.w_adapter_stride = p.w.stride(0);
-  a.w_row_stride = p.w.stride(1);
-  a.w_dtype = ToDType(p.w, "weights");
-  a.out = static_cast<char*>(p.out.data_ptr()) +
-          p.col0 * p.out.stride(1) * p.out.element_size();
-  a.out_row_stride = p.out.stride(0);
-  a.out_dtype = ToDType(p.out, "output");
+  a.x = p.x->const_data_ptr();
+  a.x_row_stride = p.x->stride(0);
+  a.x_dtype = ToDType(*p.x, "inputs");
+  a.w = p.w->const_data_ptr();
+  a.w_adapter_stride = p.w->stride(0);
+  a.w_row_stride = p.w->stride(1);
+  a.w_dtype = ToDType(*p.w, "weights");
+  a.out = static_cast<char*>(p.out->data_ptr()) +
+          p.col0 * p.out->stride(1) * p.out->element_size();
+  a.out_row_stride = p.out->stride(0);
+  a.out_dtype = ToDType(*p.out, "output");
   a.k = k;
   a.scale = p.scale;
   a.add = p.add;
@@ -278,7 +278,7 @@ void Run(const Product& p, c10::ArrayRef<Group> all_groups,
   }
   const int64_t num_items = static_cast<int64_t>(items.size());
   if (split_k) {
-    RunSplitK(a, fn, items, groups, tokens, p.x.size(0), p.n, threads);
+    RunSplitK(a, fn, items, groups, tokens, p.x->size(0), p.n, threads);
   } else if (!parallel) {
     fn(a, items.data(), 0, num_items);
   } else if (split_tokens || split_columns) {
@@ -294,9 +294,10 @@ void Run(const Product& p, c10::ArrayRef<Group> all_groups,
   }
 }
 
-void ZeroRows(const at::Tensor& out, c10::ArrayRef<int64_t> rows,
+void ZeroRows(const at::Tensor& out, c10::ArrayRef<int64_t> rows, int64_t col0,
               int64_t cols) {
-  char* base = static_cast<char*>(out.data_ptr());
+  char* base = static_cast<char*>(out.data_ptr()) +
+               col0 * out.stride(1) * out.element_size();
   const int64_t row_bytes = out.stride(0) * out.element_size();
   for (int64_t r : rows) {
     std::memset(base + r * row_bytes, 0, cols * out.element_size());
