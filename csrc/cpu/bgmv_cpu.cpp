@@ -181,10 +181,7 @@ void LoraShrink(const at::Tensor& inputs, at::TensorList lora_a_weights,
                           output_tensor.size(2),
               "output_tensor has slices that share memory");
   // Built before the products, which borrow them.
-  c10::SmallVector<at::Tensor, 3> outputs;
-  for (int64_t s = 0; s < slices; ++s) {
-    outputs.push_back(Slice(output_tensor, s));
-  }
+  const c10::SmallVector<at::Tensor, 3> outputs = Slices(output_tensor);
   c10::SmallVector<Weights, 3> views(slices);
   c10::SmallVector<Product, 3> products;
   for (int64_t s = 0; s < slices; ++s) {
@@ -227,10 +224,7 @@ void LoraExpand(const at::Tensor& inputs, at::TensorList lora_b_weights,
   TORCH_CHECK(offset_start >= 0 && offset_start <= width, "offset_start ",
               offset_start, " is outside output_tensor of width ", width);
   // Built before the products, which borrow them.
-  c10::SmallVector<at::Tensor, 3> slice_inputs;
-  for (int64_t s = 0; s < slices; ++s) {
-    slice_inputs.push_back(Slice(inputs, s));
-  }
+  const c10::SmallVector<at::Tensor, 3> slice_inputs = Slices(inputs);
   c10::SmallVector<Weights, 3> views(slices);
   c10::SmallVector<Product, 3> products;
   int64_t col = offset_start;

@@ -81,9 +81,13 @@ at::Tensor Alias(const at::Tensor& t, c10::IntArrayRef sizes,
   return at::Tensor(std::move(impl));
 }
 
-at::Tensor Slice(const at::Tensor& t, int64_t index) {
-  return Alias(t, t.sizes().slice(1), t.strides().slice(1),
-               t.storage_offset() + index * t.stride(0));
+c10::SmallVector<at::Tensor, 3> Slices(const at::Tensor& t) {
+  c10::SmallVector<at::Tensor, 3> slices;
+  for (int64_t s = 0; s < t.size(0); ++s) {
+    slices.push_back(Alias(t, t.sizes().slice(1), t.strides().slice(1),
+                           t.storage_offset() + s * t.stride(0)));
+  }
+  return slices;
 }
 
 IndexList ReadIndices(const at::Tensor& t, const char* name, int64_t count,

@@ -4,6 +4,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/MaybeOwned.h>
+#include <c10/util/SmallVector.h>
 
 #include <cstdint>
 #include <ostream>
@@ -52,8 +53,8 @@ c10::MaybeOwned<at::Tensor> Matrix(const at::Tensor& t, const ArgName& name);
 at::Tensor Alias(const at::Tensor& t, c10::IntArrayRef sizes,
                  c10::IntArrayRef strides, int64_t storage_offset);
 
-// t[index] of a strided tensor of 1 or more dimensions, as an Alias.
-at::Tensor Slice(const at::Tensor& t, int64_t index);
+// t[0], t[1], ... of a strided tensor of 1 or more dimensions, as Aliases.
+c10::SmallVector<at::Tensor, 3> Slices(const at::Tensor& t);
 
 // Reads the values of a 1-D CPU index tensor of exactly `count` entries
 // (`count_note` says why, e.g. "(batches)"), checking each lies in [lo, hi].

@@ -18,6 +18,12 @@ namespace {
 
 int64_t ElementSize(DType t) { return t == DType::kFloat ? 4 : 2; }
 
+// Where column col0 of out's first row lies.
+char* ColumnStart(const at::Tensor& out, int64_t col0) {
+  return static_cast<char*>(out.data_ptr()) +
+         col0 * out.stride(1) * out.element_size();
+}
+
 // Half of a core's L2: where an expand item's packed weights should fit.
 int64_t PackedBytesPerItem() {
   static const int64_t bytes = [] {
@@ -154,8 +160,7 @@ void Run(const Product& p, c10::ArrayRef<Group> all_groups,
   a.w_adapter_stride = p.w->stride(0);
   a.w_row_stride = p.w->stride(1);
   a.w_dtype = ToDType(*p.w, "weights");
-  a.out = static_cast<char*>(p.out->data_ptr()) +
-          p.col0 * p.out->stride(1) * p.out->element_size();
+  a.out = ColumnStart(*p.out, p.col0);
   a.out_row_stride = p.out->stride(0);
   a.out_dtype = ToDType(*p.out, "output");
   a.k = k;
@@ -296,8 +301,7 @@ void Run(const Product& p, c10::ArrayRef<Group> all_groups,
 
 void ZeroRows(const at::Tensor& out, c10::ArrayRef<int64_t> rows, int64_t col0,
               int64_t cols) {
-  char* base = static_cast<char*>(out.data_ptr()) +
-               col0 * out.stride(1) * out.element_size();
+  char* base = ColumnStart(out, col0);
   const int64_t row_bytes = out.stride(0) * out.element_size();
   for (int64_t r : rows) {
     std::memset(base + r * row_bytes, 0, cols * out.element_size());
