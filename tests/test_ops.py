@@ -686,6 +686,55 @@ def test_shrink_large_groups(op, dtypes, case, isa):
     check(call, isa)
 
 
+# Shrink groups of a few tokens take the swapped-operand AMX tiles on the
+# AMX paths (below AmxMinTokens, csrc/cpu/tuning.h; every count where the
+# path is forced). Over more than two 32-element blocks of hidden size they
+# zip the inputs a block at a time (RunStreamed, bgmv_amx.h), with one C tile
+# per equal group of at most 16 ranks, up to four groups: ranks 8 and 16 (one
+# group), 24 (two of 12), 48 and 64 (three and four of 16); ranks 40 and 72
+# split into no such groups and zip the whole reduction first. Hidden sizes:
+# 3 blocks, 3 blocks and a tail of 2 elements, 4 blocks and a tail of 30,
+# and 129 blocks; token counts of every zip width (1, 2, 3-4, 5-8, 9-16) and
+# beyond one tile (20). (hidden, rank, tokens):
+SWAPPED_SHRINK_CASES = (
+    (96, 8, 1),
+    (98, 16, 2),
+    (158, 24, 3),
+    (96, 48, 5),
+    (98, 64, 8),
+    (158, 8, 9),
+    (4128, 16, 16),
+    (96, 64, 20),
+    (98, 40, 6),
+    (158, 72, 4),
+)
+
+
+@pytest.mark.parametrize(
+    "case", SWAPPED_SHRINK_CASES, ids=lambda c: "h{}-r{}-B{}".format(*c)
+)
+@pytest.mark.parametrize(
+    "dtypes",
+    ((BF16, BF16, F32), (BF16, BF16, BF16), (F32, BF16, BF16)),
+    ids=dtypes_id,
+)
+def test_shrink_swapped_tiles(dtypes, case, isa):
+    hidden, rank, tokens = case
+    gen = make_generator("shrink_swapped_tiles", dtypes, *case)
+    for pattern in ("same", "mixed"):
+        call = shrink_call(
+            "bgmv_shrink",
+            dtypes,
+            batch=tokens,
+            hidden=hidden,
+            rank=rank,
+            loras=2,
+            pattern=pattern,
+            gen=gen,
+        )
+        check(call, isa)
+
+
 def tokens_on_adapter(call: Call, adapter: int | None = 0) -> int:
     """How many tokens of a bgmv or sgmv call use `adapter` (None: any)."""
     if call.op.startswith("bgmv"):

@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <memory>
 #include <type_traits>
 
@@ -60,6 +61,8 @@ struct AmxSwapped {
   using Avx = PackKernel<AmxVec, TX, c10::BFloat16, TO>;
   using F = AmxVec::F;
   static constexpr int kTileRows = 16;
+  static constexpr int64_t kZipSlots = 8;
+  static constexpr int64_t kZipAhead = 6;
 
   static bool Applies(const LoraArgs& a) { return a.k % 2 == 0; }
 
@@ -101,38 +104,36 @@ struct AmxSwapped {
                          : AmxVec::LoadPairsPartial(x + e0, n)));
   }
 
-  // Bt[j * p + t] = bf16 pair j of token row t (zero for t >= mt), j over
-  // whole blocks of 16 pairs: per block, p vectors (one per token) go
-  // through log2(p) stages of interleaving in registers.
+  // Bt[j * p + t] = bf16 pair j of token row t's 32 elements from e0 (zero
+  // for t >= mt), j < 16: p vectors (one per token) go through log2(p)
+  // stages of interleaving in registers.
   template <int p>
-  static void Zip(const LoraArgs& a, const int64_t* tok, int mt, uint32_t* Bt) {
+  static void ZipBlock(const LoraArgs& a, const int64_t* tok, int mt,
+                       int64_t e0, uint32_t* Bt) {
     const TX* x = static_cast<const TX*>(a.x);
     const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5,
                                          21, 6, 22, 7, 23);
     const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28,
                                          13, 29, 14, 30, 15, 31);
-    for (int64_t e0 = 0, blk = 0; e0 < a.k; e0 += 32, ++blk) {
-      __m512i v[p], w[p];
-      for (int t = 0; t < p; ++t) {
-        v[t] = t < mt ? LoadPairDwords(x + tok[t] * a.x_row_stride, e0, a.k)
-                      : _mm512_setzero_si512();
-      }
-      // log2(p) rounds of the same perfect shuffle.
-      const int h = p / 2;
-      for (int round = 1; round < p; round *= 2) {
-        for (int i = 0; i < h; ++i) {
-          w[2 * i] = _mm512_permutex2var_epi32(v[i], lo, v[i + h]);
-          w[2 * i + 1] = _mm512_permutex2var_epi32(v[i], hi, v[i + h]);
-        }
-        for (int i = 0; i < p; ++i) v[i] = w[i];
-      }
-      for (int i = 0; i < p; ++i)
-        _mm512_storeu_si512(Bt + blk * 16 * p + i * 16, v[i]);
+    __m512i v[p], w[p];
+    for (int t = 0; t < p; ++t) {
+      v[t] = t < mt ? LoadPairDwords(x + tok[t] * a.x_row_stride, e0, a.k)
+                    : _mm512_setzero_si512();
     }
+    // log2(p) rounds of the same perfect shuffle.
+    const int h = p / 2;
+    for (int round = 1; round < p; round *= 2) {
+      for (int i = 0; i < h; ++i) {
+        w[2 * i] = _mm512_permutex2var_epi32(v[i], lo, v[i + h]);
+        w[2 * i + 1] = _mm512_permutex2var_epi32(v[i], hi, v[i + h]);
+      }
+      for (int i = 0; i < p; ++i) v[i] = w[i];
+    }
+    for (int i = 0; i < p; ++i) _mm512_storeu_si512(Bt + i * 16, v[i]);
   }
 
-  // The inverse of Zip's interleaving on C (16 rows x p, row-major): col[t]
-  // = column t.
+  // The inverse of ZipBlock's interleaving on C (16 rows x p, row-major):
+  // col[t] = column t.
   template <int p>
   static void Unzip(const float* C, F (&col)[p]) {
     const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18,
@@ -152,6 +153,127 @@ struct AmxSwapped {
     for (int i = 0; i < p; ++i) col[i] = v[i];
   }
 
+  // Outputs [n, n + rows) of tokens tok[0..mt) from C (rows x p fp32).
+  template <int p>
+  static void StoreColumns(const LoraArgs& a, const float* C,
+                           const int64_t* tok, int mt, int64_t n, int rows) {
+    TO* out = static_cast<TO*>(a.out);
+    F col[p];
+    Unzip<p>(C, col);
+    for (int t = 0; t < mt; ++t) {
+      Avx::StoreVec(a, out + tok[t] * a.out_row_stride + n, col[t], rows);
+    }
+  }
+
+  // How many equal groups of at most 16 rows RunStreamed splits `rows` into,
+  // one C tile each; 0 where they do not split into at most four.
+  static int StreamedGroups(int64_t rows) {
+    const int64_t groups = (rows + kTileRows - 1) / kTileRows;
+    return groups <= 4 && rows % groups == 0 ? static_cast<int>(groups) : 0;
+  }
+
+  // Tiles of RunStreamed: 0, 5, 6 and 7 C (rows x p fp32) of up to four
+  // groups of rows, 1 A (rows x 32 bf16), 2 B (16 pair rows x p), 3 and 4 A
+  // and B for the reduction's tail of `rest` < 32 elements.
+  static void ConfigureStreamed(int rows, int p, int rest) {
+    TileConfig cfg{};
+    cfg.palette_id = 1;
+    for (int t : {0, 5, 6, 7}) {
+      cfg.rows[t] = rows;
+      cfg.colsb[t] = p * 4;
+    }
+    cfg.rows[1] = rows;
+    cfg.colsb[1] = 64;
+    cfg.rows[2] = 16;
+    cfg.colsb[2] = p * 4;
+    if (rest > 0) {
+      cfg.rows[3] = rows;
+      cfg.colsb[3] = rest * 2;
+      cfg.rows[4] = rest / 2;
+      cfg.colsb[4] = p * 4;
+    }
+    _tile_loadconfig(&cfg);
+  }
+
+  // Tokens tok[0..mt), mt <= p, against the item's rows (`groups` groups of
+  // StreamedGroups) over a reduction of more than two blocks (a shrink): each
+  // block of 32 elements is zipped kZipAhead blocks before its products, into
+  // a ring of kZipSlots blocks that stays in L1, so that zipping overlaps the
+  // tiles' work instead of preceding all of it (#amx-zip-ahead).
+  template <int p>
+  static void RunStreamed(const LoraArgs& a, const WorkItem& item,
+                          const c10::BFloat16* wa, const int64_t* tok, int mt,
+                          int groups, uint32_t* Bt) {
+    const int64_t full = a.k / 32;
+    const int rest = static_cast<int>(a.k % 32);
+    const int64_t blocks = full + (rest > 0);
+    const int rows = static_cast<int>((item.n1 - item.n0) / groups);
+    const int64_t w_stride = a.w_row_stride * 2;
+    const int64_t group_stride = rows * a.w_row_stride;
+    const c10::BFloat16* wn = wa + item.n0 * a.w_row_stride;
+    auto slot = [&](int64_t b) { return Bt + b % kZipSlots * 16 * p; };
+    ConfigureStreamed(rows, p, rest);
+    _tile_zero(0);
+    if (groups > 1) _tile_zero(5);
+    if (groups > 2) _tile_zero(6);
+    if (groups > 3) _tile_zero(7);
+    for (int64_t b = 0; b < std::min(kZipAhead, blocks); ++b)
+      ZipBlock<p>(a, tok, mt, 32 * b, slot(b));
+    for (int64_t b = 0; b < full; ++b) {
+      if (b + kZipAhead < blocks)
+        ZipBlock<p>(a, tok, mt, 32 * (b + kZipAhead), slot(b + kZipAhead));
+      const c10::BFloat16* wb = wn + 32 * b;
+      _tile_loadd(2, slot(b), p * 4);
+      _tile_loadd(1, wb, w_stride);
+      _tile_dpbf16ps(0, 1, 2);
+      if (groups > 1) {
+        _tile_loadd(1, wb + group_stride, w_stride);
+        _tile_dpbf16ps(5, 1, 2);
+      }
+      if (groups > 2) {
+        _tile_loadd(1, wb + 2 * group_stride, w_stride);
+        _tile_dpbf16ps(6, 1, 2);
+      }
+      if (groups > 3) {
+        _tile_loadd(1, wb + 3 * group_stride, w_stride);
+        _tile_dpbf16ps(7, 1, 2);
+      }
+    }
+    if (rest > 0) {
+      const c10::BFloat16* wb = wn + 32 * full;
+      _tile_loadd(4, slot(full), p * 4);
+      _tile_loadd(3, wb, w_stride);
+      _tile_dpbf16ps(0, 3, 4);
+      if (groups > 1) {
+        _tile_loadd(3, wb + group_stride, w_stride);
+        _tile_dpbf16ps(5, 3, 4);
+      }
+      if (groups > 2) {
+        _tile_loadd(3, wb + 2 * group_stride, w_stride);
+        _tile_dpbf16ps(6, 3, 4);
+      }
+      if (groups > 3) {
+        _tile_loadd(3, wb + 3 * group_stride, w_stride);
+        _tile_dpbf16ps(7, 3, 4);
+      }
+    }
+    alignas(64) float C[kTileRows * p];
+    _tile_stored(0, C, p * 4);
+    StoreColumns<p>(a, C, tok, mt, item.n0, rows);
+    if (groups > 1) {
+      _tile_stored(5, C, p * 4);
+      StoreColumns<p>(a, C, tok, mt, item.n0 + rows, rows);
+    }
+    if (groups > 2) {
+      _tile_stored(6, C, p * 4);
+      StoreColumns<p>(a, C, tok, mt, item.n0 + 2 * rows, rows);
+    }
+    if (groups > 3) {
+      _tile_stored(7, C, p * 4);
+      StoreColumns<p>(a, C, tok, mt, item.n0 + 3 * rows, rows);
+    }
+  }
+
   // Tokens tok[0..mt), mt <= p, against the item's weight rows, 16 at a
   // time. With at most two 32-element blocks of k (expand) the B tiles stay
   // loaded across the rows.
@@ -159,12 +281,11 @@ struct AmxSwapped {
   static void RunTokens(const LoraArgs& a, const WorkItem& item,
                         const c10::BFloat16* wa, const int64_t* tok, int mt,
                         uint32_t* Bt) {
-    TO* out = static_cast<TO*>(a.out);
     const int64_t full = a.k / 32;
     const int rest = static_cast<int>(a.k % 32);
     const bool resident = full + (rest > 0) <= 2;
     const int64_t w_stride = a.w_row_stride * 2;
-    Zip<p>(a, tok, mt, Bt);
+    const int64_t blocks = full + (rest > 0);
     alignas(64) float C[2 * kTileRows * p];
     int configured_rows = 0;
     auto configure = [&](int rows) {
@@ -178,12 +299,10 @@ struct AmxSwapped {
       }
     };
     auto store = [&](const float* c, int64_t n, int rows) {
-      F col[p];
-      Unzip<p>(c, col);
-      for (int t = 0; t < mt; ++t) {
-        Avx::StoreVec(a, out + tok[t] * a.out_row_stride + n, col[t], rows);
-      }
+      StoreColumns<p>(a, c, tok, mt, n, rows);
     };
+    for (int64_t b = 0; b < blocks; ++b)
+      ZipBlock<p>(a, tok, mt, 32 * b, Bt + b * 16 * p);
     int64_t n = item.n0;
     if (full + (rest > 0) == 1) {
       // Two groups of 16 rows at a time (C tiles 0 and 7).
@@ -250,24 +369,34 @@ struct AmxSwapped {
     const c10::BFloat16* wa =
         static_cast<const c10::BFloat16*>(a.w) + g.adapter * a.w_adapter_stride;
     const int64_t blocks = (a.k + 31) / 32;
-    if (blocks * 16 * kTileRows > bt_size) {
-      bt_size = blocks * 16 * kTileRows;
+    const int groups = blocks > 2 ? StreamedGroups(item.n1 - item.n0) : 0;
+    const int64_t zipped_blocks = groups > 0 ? kZipSlots : blocks;
+    if (zipped_blocks * 16 * kTileRows > bt_size) {
+      bt_size = zipped_blocks * 16 * kTileRows;
       bt = NewAligned<uint32_t>(bt_size);
     }
     for (int64_t m = item.m0; m < item.m1; m += kTileRows) {
       const int mt =
           static_cast<int>(std::min<int64_t>(kTileRows, item.m1 - m));
       const int64_t* tm = tok + m;
+      auto run = [&](auto p) {
+        if (groups > 0) {
+          RunStreamed<decltype(p)::value>(a, item, wa, tm, mt, groups,
+                                          bt.get());
+        } else {
+          RunTokens<decltype(p)::value>(a, item, wa, tm, mt, bt.get());
+        }
+      };
       if (mt == 1) {
-        RunTokens<1>(a, item, wa, tm, mt, bt.get());
+        run(std::integral_constant<int, 1>{});
       } else if (mt == 2) {
-        RunTokens<2>(a, item, wa, tm, mt, bt.get());
+        run(std::integral_constant<int, 2>{});
       } else if (mt <= 4) {
-        RunTokens<4>(a, item, wa, tm, mt, bt.get());
+        run(std::integral_constant<int, 4>{});
       } else if (mt <= 8) {
-        RunTokens<8>(a, item, wa, tm, mt, bt.get());
+        run(std::integral_constant<int, 8>{});
       } else {
-        RunTokens<16>(a, item, wa, tm, mt, bt.get());
+        run(std::integral_constant<int, 16>{});
       }
     }
   }
