@@ -371,9 +371,16 @@ struct AmxSwapped {
     const int64_t blocks = (a.k + 31) / 32;
     const int groups = blocks > 2 ? StreamedGroups(item.n1 - item.n0) : 0;
     const int64_t zipped_blocks = groups > 0 ? kZipSlots : blocks;
-    if (zipped_blocks * 16 * kTileRows > bt_size) {
-      bt_size = zipped_blocks * 16 * kTileRows;
-      bt = NewAligned<uint32_t>(bt_size);
+    // Zipped blocks that fit the ring go on the stack: a heap buffer per
+    // call cost more than a short call's tiles (#amx-zip-ahead).
+    alignas(64) uint32_t ring[kZipSlots * 16 * kTileRows];
+    uint32_t* zipped = ring;
+    if (zipped_blocks > kZipSlots) {
+      if (zipped_blocks * 16 * kTileRows > bt_size) {
+        bt_size = zipped_blocks * 16 * kTileRows;
+        bt = NewAligned<uint32_t>(bt_size);
+      }
+      zipped = bt.get();
     }
     for (int64_t m = item.m0; m < item.m1; m += kTileRows) {
       const int mt =
@@ -381,10 +388,9 @@ struct AmxSwapped {
       const int64_t* tm = tok + m;
       auto run = [&](auto p) {
         if (groups > 0) {
-          RunStreamed<decltype(p)::value>(a, item, wa, tm, mt, groups,
-                                          bt.get());
+          RunStreamed<decltype(p)::value>(a, item, wa, tm, mt, groups, zipped);
         } else {
-          RunTokens<decltype(p)::value>(a, item, wa, tm, mt, bt.get());
+          RunTokens<decltype(p)::value>(a, item, wa, tm, mt, zipped);
         }
       };
       if (mt == 1) {
