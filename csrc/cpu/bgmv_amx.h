@@ -195,28 +195,6 @@ struct AmxSwapped {
     _tile_loadconfig(&cfg);
   }
 
-  // One block's products for RunStreamed: A tile kA takes each group's rows
-  // in turn (group g's from wb + g * group_stride) and multiplies B tile kB
-  // into the group's C tile.
-  template <int kA, int kB>
-  static void GroupProducts(const c10::BFloat16* wb, int64_t group_stride,
-                            int64_t w_stride, int groups) {
-    _tile_loadd(kA, wb, w_stride);
-    _tile_dpbf16ps(0, kA, kB);
-    if (groups > 1) {
-      _tile_loadd(kA, wb + group_stride, w_stride);
-      _tile_dpbf16ps(5, kA, kB);
-    }
-    if (groups > 2) {
-      _tile_loadd(kA, wb + 2 * group_stride, w_stride);
-      _tile_dpbf16ps(6, kA, kB);
-    }
-    if (groups > 3) {
-      _tile_loadd(kA, wb + 3 * group_stride, w_stride);
-      _tile_dpbf16ps(7, kA, kB);
-    }
-  }
-
   // Tokens tok[0..mt), mt <= p, against the item's rows (`groups` groups of
   // StreamedGroups) over a reduction of more than two blocks (a shrink): each
   // block of 32 elements is zipped kZipAhead blocks before its products, into
@@ -244,12 +222,43 @@ struct AmxSwapped {
     for (int64_t b = 0; b < full; ++b) {
       if (b + kZipAhead < blocks)
         ZipBlock<p>(a, tok, mt, 32 * (b + kZipAhead), slot(b + kZipAhead));
+      const c10::BFloat16* wb = wn + 32 * b;
       _tile_loadd(2, slot(b), p * 4);
-      GroupProducts<1, 2>(wn + 32 * b, group_stride, w_stride, groups);
+      _tile_loadd(1, wb, w_stride);
+      _tile_dpbf16ps(0, 1, 2);
+      if (groups > 1) {
+        _tile_loadd(1, wb + group_stride, w_stride);
+        _tile_dpbf16ps(5, 1, 2);
+      }
+      if (groups > 2) {
+        _tile_loadd(1, wb + 2 * group_stride, w_stride);
+        _tile_dpbf16ps(6, 1, 2);
+      }
+      if (groups > 3) {
+        _tile_loadd(1, wb + 3 * group_stride, w_stride);
+        _tile_dpbf16ps(7, 1, 2);
+      }
     }
+    // The tail repeats the products above with tiles 3 and 4: GCC's tile
+    // intrinsics paste their tile numbers into the assembly as written, so
+    // no template or variable can choose them.
     if (rest > 0) {
+      const c10::BFloat16* wb = wn + 32 * full;
       _tile_loadd(4, slot(full), p * 4);
-      GroupProducts<3, 4>(wn + 32 * full, group_stride, w_stride, groups);
+      _tile_loadd(3, wb, w_stride);
+      _tile_dpbf16ps(0, 3, 4);
+      if (groups > 1) {
+        _tile_loadd(3, wb + group_stride, w_stride);
+        _tile_dpbf16ps(5, 3, 4);
+      }
+      if (groups > 2) {
+        _tile_loadd(3, wb + 2 * group_stride, w_stride);
+        _tile_dpbf16ps(6, 3, 4);
+      }
+      if (groups > 3) {
+        _tile_loadd(3, wb + 3 * group_stride, w_stride);
+        _tile_dpbf16ps(7, 3, 4);
+      }
     }
     alignas(64) float C[kTileRows * p];
     _tile_stored(0, C, p * 4);
