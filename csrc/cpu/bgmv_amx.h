@@ -66,12 +66,10 @@ struct AmxSwapped {
 
   static bool Applies(const LoraArgs& a) { return a.k % 2 == 0; }
 
-  // Tiles: 0 C (rows x p fp32), 1 A (rows x 32 bf16), 2 B (16 pair rows x
-  // p), 3 and 4 A and B for the reduction's tail of `rest` < 32 elements, 5
-  // and 6 B and A for a second 32-element block kept beside the first; with
-  // a single block of k (`full` + (rest > 0) == 1), 6 and 7 are A and C of a
-  // second group of rows, so that two groups' tile work overlaps.
-  static void Configure(int rows, int p, int64_t full, int rest) {
+  // Tiles 0 C (rows x p fp32), 1 A (rows x 32 bf16), 2 B (16 pair rows x
+  // p), 3 and 4 A and B for the reduction's tail of `rest` < 32 elements;
+  // Configure and ConfigureStreamed give tiles 5-7 their roles.
+  static TileConfig BaseConfig(int rows, int p, int rest) {
     TileConfig cfg{};
     cfg.palette_id = 1;
     cfg.rows[0] = rows;
@@ -86,6 +84,15 @@ struct AmxSwapped {
       cfg.rows[4] = rest / 2;
       cfg.colsb[4] = p * 4;
     }
+    return cfg;
+  }
+
+  // BaseConfig's tiles, and 5 and 6 B and A for a second 32-element block
+  // kept beside the first; with a single block of k (`full` + (rest > 0) ==
+  // 1), 6 and 7 are A and C of a second group of rows, so that two groups'
+  // tile work overlaps.
+  static void Configure(int rows, int p, int64_t full, int rest) {
+    TileConfig cfg = BaseConfig(rows, p, rest);
     cfg.rows[5] = 16;
     cfg.colsb[5] = p * 4;
     cfg.rows[6] = rows;
@@ -172,34 +179,23 @@ struct AmxSwapped {
     return groups <= 4 && rows % groups == 0 ? static_cast<int>(groups) : 0;
   }
 
-  // Tiles of RunStreamed: 0, 5, 6 and 7 C (rows x p fp32) of up to four
-  // groups of rows, 1 A (rows x 32 bf16), 2 B (16 pair rows x p), 3 and 4 A
-  // and B for the reduction's tail of `rest` < 32 elements.
+  // Tiles of RunStreamed: BaseConfig's, with 5, 6 and 7 C tiles like 0, one
+  // for each of up to four groups of rows.
   static void ConfigureStreamed(int rows, int p, int rest) {
-    TileConfig cfg{};
-    cfg.palette_id = 1;
-    for (int t : {0, 5, 6, 7}) {
+    TileConfig cfg = BaseConfig(rows, p, rest);
+    for (int t : {5, 6, 7}) {
       cfg.rows[t] = rows;
       cfg.colsb[t] = p * 4;
-    }
-    cfg.rows[1] = rows;
-    cfg.colsb[1] = 64;
-    cfg.rows[2] = 16;
-    cfg.colsb[2] = p * 4;
-    if (rest > 0) {
-      cfg.rows[3] = rows;
-      cfg.colsb[3] = rest * 2;
-      cfg.rows[4] = rest / 2;
-      cfg.colsb[4] = p * 4;
     }
     _tile_loadconfig(&cfg);
   }
 
   // Tokens tok[0..mt), mt <= p, against the item's rows (`groups` groups of
-  // StreamedGroups) over a reduction of more than two blocks (a shrink): each
-  // block of 32 elements is zipped kZipAhead blocks before its products, into
-  // a ring of kZipSlots blocks that stays in L1, so that zipping overlaps the
-  // tiles' work instead of preceding all of it (#amx-zip-ahead).
+  // StreamedGroups) over a reduction of more than two blocks (shrinks, and
+  // expands of rank above 64 into at most 64 columns): each block of 32
+  // elements is zipped kZipAhead blocks before its products, into a ring of
+  // kZipSlots blocks that stays in L1, so that zipping overlaps the tiles'
+  // work instead of preceding all of it (#amx-zip-ahead).
   template <int p>
   static void RunStreamed(const LoraArgs& a, const WorkItem& item,
                           const c10::BFloat16* wa, const int64_t* tok, int mt,
