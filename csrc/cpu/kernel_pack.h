@@ -158,6 +158,21 @@ struct PackKernel : KernelTypes<V, TX, TW, TO> {
     }
   }
 
+  // The output columns [n, n + kNT) of tokens tok[0..count), into L1: swept
+  // block by block, the rows are read a block at a time, too briefly for the
+  // hardware prefetchers (#pack-block-by-block).
+  static void PrefetchOutputs(const LoraArgs& a, const int64_t* tok,
+                              int64_t count, int64_t n) {
+    const TO* out = static_cast<const TO*>(a.out);
+    for (int64_t i = 0; i < count; ++i) {
+      const char* o =
+          reinterpret_cast<const char*>(out + tok[i] * a.out_row_stride + n);
+      for (size_t b = 0; b < kNT * sizeof(TO); b += 64) {
+        __builtin_prefetch(o + b, 1, 3);
+      }
+    }
+  }
+
   // o[0..nc) = scale * acc (+ o), nc <= NV * kL.
   template <int NV>
   static void StoreRow(const LoraArgs& a, TO* o, const F (&acc)[NV], int nc) {
@@ -205,12 +220,16 @@ struct PackKernel : KernelTypes<V, TX, TW, TO> {
   // next item of the same columns), then sweep each token tile along the
   // columns, so every output row is written front to back (output traffic
   // dominates a large expand); an item of one block starts with TallTiles.
+  // Or (PackBlockByBlock) pack one block at a time and run every token tile
+  // over it before the next.
   static void Run(const LoraArgs& a, const WorkItem* items, int64_t begin,
                   int64_t end) {
     const int64_t rows = kPairs ? (a.k + 1) / 2 : a.k;
     std::unique_ptr<PackT[]> xc;
     int64_t xc_tokens = 0;
     PackedBlocks<PackT> packed;
+    AlignedArray<PackT> block;
+    int64_t block_size = 0;
     const TW* w = static_cast<const TW*>(a.w);
     for (int64_t it = begin; it < end; ++it) {
       const WorkItem& item = items[it];
@@ -248,11 +267,17 @@ struct PackKernel : KernelTypes<V, TX, TW, TO> {
         return static_cast<int>(
             std::min<int64_t>(kNT, item.n1 - item.n0 - b * kNT));
       };
-      if (packed.NeedsPacking(wa, item.n0, item.n1, blocks * rows * kNT)) {
+      auto pack_block = [&](int64_t b, PackT* P) {
+        const int nc = block_cols(b);
+        Pack(wa + (item.n0 + b * kNT) * a.w_row_stride, a.w_row_stride, a.k, nc,
+             BlockWidth(nc), P);
+      };
+      const bool block_by_block =
+          blocks > 1 && PackBlockByBlock(count, a.k, item.n1 - item.n0);
+      if (!block_by_block &&
+          packed.NeedsPacking(wa, item.n0, item.n1, blocks * rows * kNT)) {
         for (int64_t b = 0; b < blocks; ++b) {
-          const int nc = block_cols(b);
-          Pack(wa + (item.n0 + b * kNT) * a.w_row_stride, a.w_row_stride, a.k,
-               nc, BlockWidth(nc), packed.data() + b * rows * kNT);
+          pack_block(b, packed.data() + b * rows * kNT);
         }
       }
       if (blocks == 1) {
@@ -270,24 +295,41 @@ struct PackKernel : KernelTypes<V, TX, TW, TO> {
       } else {
         xs = convert();
       }
-      int64_t m = 0;
-      // Token tiles of MT from m on, each swept along the blocks.
-      auto sweep = [&](auto tile_m) {
-        constexpr int kMT = decltype(tile_m)::value;
-        for (; m + kMT <= count; m += kMT) {
-          for (int64_t b = 0; b < blocks; ++b) {
-            const int nc = block_cols(b);
-            WithVectors(BlockWidth(nc) / kL, [&](auto vectors) {
-              PackTile<kMT, vectors>(a, packed.data() + b * rows * kNT,
-                                     xs + m * x_stride, x_stride, rows, tok + m,
-                                     item.n0 + b * kNT, nc);
-            });
-          }
+      if (block_by_block && block_size < rows * kNT) {
+        block = NewAligned<PackT>(rows * kNT);
+        block_size = rows * kNT;
+      }
+      // One pass of every token tile along all blocks, or one pass per block.
+      const int64_t passes = block_by_block ? blocks : 1;
+      for (int64_t pass = 0; pass < passes; ++pass) {
+        // Blocks [b0, b1), block b packed at P + (b - b0) * rows * kNT.
+        int64_t b0 = 0, b1 = blocks;
+        const PackT* P = packed.data();
+        if (block_by_block) {
+          b0 = pass;
+          b1 = pass + 1;
+          P = block.get();
+          if (b1 < blocks) PrefetchOutputs(a, tok, count, item.n0 + b1 * kNT);
+          pack_block(pass, block.get());
         }
-      };
-      sweep(std::integral_constant<int, kTM>{});
-      if constexpr (kTM > 2) sweep(std::integral_constant<int, 2>{});
-      sweep(std::integral_constant<int, 1>{});
+        int64_t m = 0;
+        auto tiles = [&](auto tile_m) {
+          constexpr int kMT = decltype(tile_m)::value;
+          for (; m + kMT <= count; m += kMT) {
+            for (int64_t b = b0; b < b1; ++b) {
+              const int nc = block_cols(b);
+              WithVectors(BlockWidth(nc) / kL, [&](auto vectors) {
+                PackTile<kMT, vectors>(a, P + (b - b0) * rows * kNT,
+                                       xs + m * x_stride, x_stride, rows,
+                                       tok + m, item.n0 + b * kNT, nc);
+              });
+            }
+          }
+        };
+        tiles(std::integral_constant<int, kTM>{});
+        if constexpr (kTM > 2) tiles(std::integral_constant<int, 2>{});
+        tiles(std::integral_constant<int, 1>{});
+      }
     }
   }
 };

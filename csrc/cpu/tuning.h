@@ -45,6 +45,16 @@ constexpr bool ExpandPacks(int64_t tokens, int64_t k, int64_t outputs) {
   return outputs > k && k <= 512 && tokens >= 32;
 }
 
+// Pack-strategy items of at most 32 tokens of expands of rank 32 and more
+// pack and sweep one block of columns at a time, so that its packed weights
+// (3-16 KB) stay in L1 for every token tile instead of being read from L2 by
+// each: at lower ranks the outputs outweigh them, and their rows streamed
+// tile by tile win; items of more tokens lose more to packing again what the
+// next item of the same columns reuses (#pack-block-by-block).
+constexpr bool PackBlockByBlock(int64_t tokens, int64_t k, int64_t outputs) {
+  return tokens <= 32 && k >= 32 && outputs > k;
+}
+
 // Parallelise from this many multiply-adds (one-thread decode calls of
 // 4-8 us): a parallel region costs about a microsecond, which a smaller
 // call would not win back (#parallel-macs).
