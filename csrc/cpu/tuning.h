@@ -163,11 +163,14 @@ static_assert(RowsMaxTokensAvx2(kMaxPackK, false, WeightProducts::kFp32) <=
 // tiles weigh half as much beside fp32 FMAs (16 products each, not 32), so
 // the rows tiles win longer, up to 8 tokens from rank 16, 4 below; fp16 rows,
 // widened once per token there, stop at 6 and 2 (#rows-max-tokens-avx512);
-// ungrouped rows shorter than a vector always pack (#short-rows).
+// bf16 rows from rank 32 at 4, where the pack tiles sweep block by block
+// (#pack-block-by-block); ungrouped rows shorter than a vector always pack
+// (#short-rows).
 constexpr int64_t RowsMaxTokensAvx512Fma(int64_t k, bool grouped,
                                          WeightProducts p) {
   if (!grouped && k < 16) return 0;
   if (p == WeightProducts::kWidened) return k >= 32 ? 6 : 2;
+  if (p == WeightProducts::kBf16Halves && k >= 32) return 4;
   return k >= 16 ? 8 : 4;
 }
 static_assert(RowsMaxTokensAvx512Fma(kMaxPackK, false, WeightProducts::kFp32) <=
