@@ -273,7 +273,8 @@ struct PackKernel : KernelTypes<V, TX, TW, TO> {
              BlockWidth(nc), P);
       };
       const bool block_by_block =
-          blocks > 1 && PackBlockByBlock(count, a.k, item.n1 - item.n0);
+          blocks > 1 && PackBlockByBlock(count, rows * kNT * sizeof(PackT),
+                                         item.n1 - item.n0 > a.k);
       if (!block_by_block &&
           packed.NeedsPacking(wa, item.n0, item.n1, blocks * rows * kNT)) {
         for (int64_t b = 0; b < blocks; ++b) {

@@ -45,14 +45,16 @@ constexpr bool ExpandPacks(int64_t tokens, int64_t k, int64_t outputs) {
   return outputs > k && k <= 512 && tokens >= 32;
 }
 
-// Pack-strategy items of at most 32 tokens of expands of rank 32 and more
-// pack and sweep one block of columns at a time, so that its packed weights
-// (3-16 KB) stay in L1 for every token tile instead of being read from L2 by
-// each: at lower ranks the outputs outweigh them, and their rows streamed
-// tile by tile win; items of more tokens lose more to packing again what the
-// next item of the same columns reuses (#pack-block-by-block).
-constexpr bool PackBlockByBlock(int64_t tokens, int64_t k, int64_t outputs) {
-  return tokens <= 32 && k >= 32 && outputs > k;
+// Pack-strategy items of at most 32 tokens of an expand whose packed blocks
+// take at least 3 KB (ranks 16 and more on AVX-512 without pair products, 32
+// with them, and on AVX2) pack and sweep one block of columns at a time, so
+// that it stays in L1 for every token tile instead of being read from L2 by
+// each: smaller blocks stream from L2 well enough, and the outputs' rows
+// streamed tile by tile win; items of more tokens lose more to packing again
+// what the next item of the same columns reuses (#pack-block-by-block).
+constexpr bool PackBlockByBlock(int64_t tokens, int64_t block_bytes,
+                                bool expand) {
+  return expand && tokens <= 32 && block_bytes >= 3072;
 }
 
 // Parallelise from this many multiply-adds (one-thread decode calls of
