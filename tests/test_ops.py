@@ -980,6 +980,40 @@ def test_expand_rows_tiles(op, rank, layout, isa):
             check(call, isa)
 
 
+# Expand items of at most 32 tokens whose packed blocks take 3 KB or more
+# pack and sweep one block of columns at a time (PackBlockByBlock,
+# csrc/cpu/tuning.h): ranks on both sides of that size on every path, one
+# adapter's token counts past the rows tiles up to one more than the rule's
+# 32 ("same"), those counts spread over two adapters and -1 ("mixed"), and
+# output widths of a few blocks and of many, the last one partial.
+BLOCK_RANKS = (16, 24, 32, 64, 96)
+BLOCK_TOKENS = (5, 9, 17, 32, 33)
+BLOCK_WIDTHS = (130, 1003)
+
+
+@pytest.mark.parametrize("rank", BLOCK_RANKS)
+@pytest.mark.parametrize("op", ("bgmv_expand", "sgmv_expand"))
+def test_expand_pack_block_by_block(op, rank, isa):
+    gen = make_generator("block_by_block", op, rank)
+    for dtypes in EXPAND_FAST_COMBOS:
+        for pattern, batches in (("same", 1), ("mixed", 3)):
+            for tokens in BLOCK_TOKENS:
+                for width in BLOCK_WIDTHS:
+                    call = expand_call(
+                        op,
+                        dtypes,
+                        batch=batches * tokens,
+                        rank=rank,
+                        w_rows=width,
+                        out_width=width,
+                        loras=2,
+                        pattern=pattern,
+                        add=tokens % 2 == 1,
+                        gen=gen,
+                    )
+                    check(call, isa)
+
+
 def transposed(t: torch.Tensor) -> torch.Tensor:
     """The same values with the last two dimensions swapped in memory, so
     the last dimension is not contiguous."""
