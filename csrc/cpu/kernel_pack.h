@@ -228,8 +228,7 @@ struct PackKernel : KernelTypes<V, TX, TW, TO> {
     std::unique_ptr<PackT[]> xc;
     int64_t xc_tokens = 0;
     PackedBlocks<PackT> packed;
-    AlignedArray<PackT> block;
-    int64_t block_size = 0;
+    PackedBlocks<PackT> block;  // One block, where packed block by block.
     const TW* w = static_cast<const TW*>(a.w);
     for (int64_t it = begin; it < end; ++it) {
       const WorkItem& item = items[it];
@@ -296,10 +295,6 @@ struct PackKernel : KernelTypes<V, TX, TW, TO> {
       } else {
         xs = convert();
       }
-      if (block_by_block && block_size < rows * kNT) {
-        block = NewAligned<PackT>(rows * kNT);
-        block_size = rows * kNT;
-      }
       // One pass of every token tile along all blocks, or one pass per block.
       const int64_t passes = block_by_block ? blocks : 1;
       for (int64_t pass = 0; pass < passes; ++pass) {
@@ -309,9 +304,12 @@ struct PackKernel : KernelTypes<V, TX, TW, TO> {
         if (block_by_block) {
           b0 = pass;
           b1 = pass + 1;
-          P = block.get();
           if (b1 < blocks) PrefetchOutputs(a, tok, count, item.n0 + b1 * kNT);
-          pack_block(pass, block.get());
+          const int64_t n0 = item.n0 + pass * kNT;
+          if (block.NeedsPacking(wa, n0, n0 + block_cols(pass), rows * kNT)) {
+            pack_block(pass, block.data());
+          }
+          P = block.data();
         }
         int64_t m = 0;
         auto tiles = [&](auto tile_m) {
