@@ -44,6 +44,7 @@ IN_FLIGHT_TOKENS = MAX_MODEL_LEN - 32  # room for the prompt
 # seconds apart (decoding starves the API server), so the first could end
 # before the last began.
 IN_FLIGHT_PROMPTS = 4
+IN_FLIGHT_TRIES = 3
 
 
 class KnownVllmBugError(AssertionError):
@@ -288,36 +289,48 @@ def _stream_in_flight(srv, model, all_running: threading.Event):
     return {i: ((prompt_ids[i], tokens[i]), finished_at[i]) for i in tokens}
 
 
-def test_unloading_with_requests_in_flight(served):
-    """vLLM's unload only drops the name from the API server's table: the
-    requests already running finish with the adapter, new ones get 404."""
-    srv, base, paths, _ = served
+def _unload_in_flight(srv, paths):
+    """Loads "in-flight", streams IN_FLIGHT_PROMPTS with it and unloads it
+    once every prompt has a token. Returns the unload's answer, a completion
+    asked for after it, the streamed outputs and how far ahead of the first
+    request's end the unload returned (negative: it returned after)."""
     assert _load(srv, "in-flight", paths["good"])[0] == 200
     all_running = threading.Event()
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         streamed = pool.submit(_stream_in_flight, srv, "in-flight", all_running)
-        started_at = time.monotonic()
         all_running.wait()
-        running_at = time.monotonic()
         unload = _api(srv, "unload", {"lora_name": "in-flight"})
         unloaded_at = time.monotonic()
         after = _complete(srv, "in-flight")
         outputs = streamed.result()
+    first_done = min((done for _, done in outputs.values()), default=0.0)
+    return unload, after, outputs, first_done - unloaded_at
 
-    assert unload[0] == 200, unload
-    assert sorted(outputs) == list(range(IN_FLIGHT_PROMPTS))
-    first_done = min(done for _, done in outputs.values())
-    assert first_done > unloaded_at, (
-        "the requests ended before the unload: all running after "
-        f"{running_at - started_at:.3f} s, unloaded after "
-        f"{unloaded_at - started_at:.3f} s, first done after "
-        f"{first_done - started_at:.3f} s"
+
+def test_unloading_with_requests_in_flight(served):
+    """vLLM's unload only drops the name from the API server's table: the
+    requests already running finish with the adapter, new ones get 404."""
+    srv, base, paths, _ = served
+    # The client sees the tokens late when the API server falls behind the
+    # engine (it then sends many steps in one event), so the requests may
+    # end before the unload returns; that try proves nothing, so try again.
+    leads = []
+    for _ in range(IN_FLIGHT_TRIES):
+        unload, after, outputs, lead = _unload_in_flight(srv, paths)
+        assert unload[0] == 200, unload
+        assert after[0] == 404
+        assert "The model `in-flight` does not exist." in after[1]
+        assert sorted(outputs) == list(range(IN_FLIGHT_PROMPTS))
+        results = [result for result, _ in outputs.values()]
+        assert all(r == results[0] for r in results)
+        assert len(results[0][1]) == IN_FLIGHT_TOKENS
+        leads.append(lead)
+        if lead > 0:
+            break
+    assert leads[-1] > 0, (
+        f"in {IN_FLIGHT_TRIES} tries the requests ended before the unload "
+        f"returned (by {[f'{-lead:.3f} s' for lead in leads]})"
     )
-    assert after[0] == 404
-    assert "The model `in-flight` does not exist." in after[1]
-    results = [result for result, _ in outputs.values()]
-    assert all(r == results[0] for r in results)
-    assert len(results[0][1]) == IN_FLIGHT_TOKENS
     _assert_greedy(base, {"good": paths["good"]}, [("good", results[0])])
     second = _api(srv, "unload", {"lora_name": "in-flight"})
     assert second == (404, "The lora adapter 'in-flight' cannot be found.")
