@@ -93,6 +93,8 @@ struct SplitVec<V, true, PV> {
   using Type = typename V::Split;
 };
 
+constexpr int64_t kCacheLineBytes = 64;
+
 // Buffers whose rows the AMX tiles and vector loads read as whole cache
 // lines: `new` aligns to 16 bytes only, so 64-byte rows would straddle two
 // lines each (#aligned-buffers).
@@ -103,7 +105,7 @@ template <class T>
 using AlignedArray = std::unique_ptr<T[], FreeDeleter>;
 template <class T>
 AlignedArray<T> NewAligned(int64_t count) {
-  constexpr size_t kLine = 64;
+  constexpr size_t kLine = kCacheLineBytes;
   const size_t bytes =
       (std::max<size_t>(count * sizeof(T), 1) + kLine - 1) / kLine * kLine;
   void* p = std::aligned_alloc(kLine, bytes);
