@@ -165,11 +165,10 @@ struct AmxSwapped {
   static void StoreColumns(const LoraArgs& a, const float* C,
                            const int64_t* tok, int mt, int64_t n, int rows) {
     TO* out = static_cast<TO*>(a.out);
-    const typename Avx::Output s(a);
     F col[p];
     Unzip<p>(C, col);
     for (int t = 0; t < mt; ++t) {
-      Avx::StoreVec(s, out + tok[t] * a.out_row_stride + n, col[t], rows);
+      Avx::StoreVec(a, out + tok[t] * a.out_row_stride + n, col[t], rows);
     }
   }
 
@@ -491,13 +490,11 @@ struct AmxKernel {
     _tile_stored(2, C + 32, kNT * 4);
     _tile_stored(3, C + 48, kNT * 4);
     TO* out = static_cast<TO*>(a.out);
-    const typename Avx::Output s(a);
-    const int64_t out_stride = a.out_row_stride;
     for (int i = 0; i < mt; ++i) {
       F acc[Avx::kNV];
       for (int v = 0; v < Avx::kNV; ++v)
         acc[v] = AmxVec::Load(C + i * kNT + v * 16);
-      Avx::StoreRow(s, out + tok[i] * out_stride + n, acc, nc);
+      Avx::StoreRow(a, out + tok[i] * a.out_row_stride + n, acc, nc);
     }
   }
 

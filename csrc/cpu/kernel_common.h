@@ -225,25 +225,15 @@ struct KernelTypes {
     }
   }
 
-  // What the tiles' results become, read from LoraArgs once: vector stores
-  // may alias anything, so after each one the compiler reloads whatever it
-  // reads through a pointer (#output-scalars).
-  struct Output {
-    explicit Output(const LoraArgs& a) : scale(V::Set1(a.scale)), add(a.add) {}
-    F scale;
-    bool add;
-  };
-
-  // o[0..nc) = scale * r (+ o), nc <= kL. Always inlined: GCC otherwise
-  // calls it from the rows tiles, with r through the stack.
-  [[gnu::always_inline]] static void StoreVec(const Output& s, TO* o, F r,
-                                              int nc) {
+  // o[0..nc) = scale * r (+ o), nc <= kL.
+  static void StoreVec(const LoraArgs& a, TO* o, F r, int nc) {
+    r = V::Mul(r, V::Set1(a.scale));
     if (nc >= kL) {
-      V::Store(o, s.add ? V::Fma(r, s.scale, V::Load(o)) : V::Mul(r, s.scale));
+      if (a.add) r = V::Add(r, V::Load(o));
+      V::Store(o, r);
     } else {
-      const F v = s.add ? V::Fma(r, s.scale, V::LoadPartial(o, nc))
-                        : V::Mul(r, s.scale);
-      V::StorePartial(o, v, nc);
+      if (a.add) r = V::Add(r, V::LoadPartial(o, nc));
+      V::StorePartial(o, r, nc);
     }
   }
 };

@@ -26,7 +26,6 @@ struct PackKernel : KernelTypes<V, TX, TW, TO> {
   static constexpr int kTM = V::kPackTileM;  // Tokens per pack tile.
   using Base::StoreVec;
   using typename Base::F;
-  using Output = typename Base::Output;
   using typename Base::PackT;
   using Rows = RowsKernel<V, TX, TW, TO>;
   static constexpr int kNV = V::kPackVectors;  // Vectors per tile row.
@@ -73,7 +72,6 @@ struct PackKernel : KernelTypes<V, TX, TW, TO> {
                           int64_t n0, int64_t n1) {
     const TX* x = static_cast<const TX*>(a.x);
     TO* out = static_cast<TO*>(a.out);
-    const Output s(a);
     F xb[MT];
     TO* o[MT];
     for (int i = 0; i < MT; ++i) {
@@ -87,17 +85,17 @@ struct PackKernel : KernelTypes<V, TX, TW, TO> {
 #pragma GCC unroll 8
       for (int i = 0; i < MT; ++i) {
         for (int v = 0; v < kNV; ++v)
-          StoreVec(s, o[i] + n + v * kL, V::Mul(xb[i], wv[v]), kL);
+          StoreVec(a, o[i] + n + v * kL, V::Mul(xb[i], wv[v]), kL);
       }
     }
     for (; n + kL <= n1; n += kL) {
       const F wv = V::Load(w + n);
-      for (int i = 0; i < MT; ++i) StoreVec(s, o[i] + n, V::Mul(xb[i], wv), kL);
+      for (int i = 0; i < MT; ++i) StoreVec(a, o[i] + n, V::Mul(xb[i], wv), kL);
     }
     if (n < n1) {
       const int nc = static_cast<int>(n1 - n);
       const F wv = V::LoadPartial(w + n, nc);
-      for (int i = 0; i < MT; ++i) StoreVec(s, o[i] + n, V::Mul(xb[i], wv), nc);
+      for (int i = 0; i < MT; ++i) StoreVec(a, o[i] + n, V::Mul(xb[i], wv), nc);
     }
   }
 
@@ -152,16 +150,12 @@ struct PackKernel : KernelTypes<V, TX, TW, TO> {
     } else {
       for (int64_t j = 0; j < rows; ++j) step(j, xc + j, x_stride);
     }
-    // The rows first: each store would reload tok and the stride.
-    const Output s(a);
-    TO* o[MT];
-    for (int i = 0; i < MT; ++i) {
-      o[i] = out + tok[i] * a.out_row_stride + n;
-    }
     // Unrolled: acc indexed by a variable would live in memory, stored
     // to on every step of the loop above.
 #pragma GCC unroll 16
-    for (int i = 0; i < MT; ++i) StoreRow(s, o[i], acc[i], nc);
+    for (int i = 0; i < MT; ++i) {
+      StoreRow(a, out + tok[i] * a.out_row_stride + n, acc[i], nc);
+    }
   }
 
   // The output columns [n, n + kNT) of tokens tok[0..count), into L1: swept
@@ -181,9 +175,9 @@ struct PackKernel : KernelTypes<V, TX, TW, TO> {
 
   // o[0..nc) = scale * acc (+ o), nc <= NV * kL.
   template <int NV>
-  static void StoreRow(const Output& s, TO* o, const F (&acc)[NV], int nc) {
+  static void StoreRow(const LoraArgs& a, TO* o, const F (&acc)[NV], int nc) {
     for (int v = 0; v < NV && v * kL < nc; ++v) {
-      StoreVec(s, o + v * kL, acc[v], nc - v * kL);
+      StoreVec(a, o + v * kL, acc[v], nc - v * kL);
     }
   }
 

@@ -233,8 +233,6 @@ struct RowsKernel : KernelTypes<V, TX, TW, TO> {
       const PackT* const x = xc;
       const int64_t* const tokens = tok;
       TO* const out = static_cast<TO*>(a.out);
-      const int64_t out_stride = a.out_row_stride;
-      const typename Base::Output s(a);
       // The inputs repeated once per row of a GV (grouped tiles only).
       GV xr[kRowsMaxTokens];
       if constexpr (kG > 0) {
@@ -268,9 +266,9 @@ struct RowsKernel : KernelTypes<V, TX, TW, TO> {
           for (int64_t i = 0; i < count; ++i) {
             const F r0 = whole_tile(n, i);
             const F r1 = whole_tile(n + kL, i);
-            TO* o = out + tokens[i] * out_stride + n;
-            Base::StoreVec(s, o, r0, kL);
-            Base::StoreVec(s, o + kL, r1, kL);
+            TO* o = out + tokens[i] * a.out_row_stride + n;
+            Base::StoreVec(a, o, r0, kL);
+            Base::StoreVec(a, o + kL, r1, kL);
           }
         }
       }
@@ -286,7 +284,7 @@ struct RowsKernel : KernelTypes<V, TX, TW, TO> {
           } else {
             r = RowsTile(a, w, x + i * rows, n, nr);
           }
-          StoreVec(s, out + tokens[i] * out_stride + n, r, nr);
+          StoreVec(a, out + tokens[i] * a.out_row_stride + n, r, nr);
         }
       }
     };

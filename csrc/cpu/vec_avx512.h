@@ -60,9 +60,8 @@ struct VecAvx512 {
   static float Reduce(F v) { return _mm512_reduce_add_ps(v); }
 
   // Lane j of the result = the sum of the lanes of acc[j]: a transpose-add
-  // tree of 30 shuffles and 15 adds for 16 dot products at once. Always
-  // inlined: GCC otherwise calls it, spilling acc to the stack.
-  [[gnu::always_inline]] static F SumLanes(const F (&acc)[kLanes]) {
+  // tree of 30 shuffles and 15 adds for 16 dot products at once.
+  static F SumLanes(const F (&acc)[kLanes]) {
     F c[8], d[4], e[2];
     for (int i = 0; i < 8; ++i) {  // Per 128-bit lane: a02 b02 a13 b13.
       c[i] = _mm512_add_ps(_mm512_unpacklo_ps(acc[2 * i], acc[2 * i + 1]),
