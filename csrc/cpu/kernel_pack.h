@@ -167,7 +167,7 @@ struct PackKernel : KernelTypes<V, TX, TW, TO> {
     for (int64_t i = 0; i < count; ++i) {
       const char* o =
           reinterpret_cast<const char*>(out + tok[i] * a.out_row_stride + n);
-      for (size_t b = 0; b < kNT * sizeof(TO); b += 64) {
+      for (size_t b = 0; b < kNT * sizeof(TO); b += kCacheLineBytes) {
         __builtin_prefetch(o + b, 1, 3);
       }
     }

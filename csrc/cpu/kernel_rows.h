@@ -250,7 +250,7 @@ struct RowsKernel : KernelTypes<V, TX, TW, TO> {
         auto prefetch = [&](int64_t m) {
           const uintptr_t p = reinterpret_cast<uintptr_t>(w + m * kRowElems) +
                               kRowsPrefetchBytes;
-          for (int64_t b = 0; b < kStepBytes; b += 64)
+          for (int64_t b = 0; b < kStepBytes; b += kCacheLineBytes)
             __builtin_prefetch(reinterpret_cast<const void*>(p + b), 0, 2);
         };
         // Token i's whole tile of rows [m, m + kL).
