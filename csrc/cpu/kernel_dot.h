@@ -35,20 +35,17 @@ struct DotKernel : KernelTypes<V, TX, TW, TO> {
   // The next token tile's input rows, prefetched into L2 while a tile runs
   // along k: each pass over the weight rows fetches its share of them, so
   // that they stream at an even rate; from the first pass alone they come
-  // too fast for DRAM (#dot-prefetch). A pass advances by about a line of
-  // them while kk advances by `every` elements: prefetching every step asked
-  // for each line up to 8 times, for up to a tenth of the time.
+  // too fast for DRAM (#dot-prefetch).
   template <int MT>
   struct NextInputs {
     const TX* rows[MT] = {};  // nullptr: no next tile.
     int64_t begin = 0;        // This pass's first element.
     int64_t share_q16 = 0;    // The share of a pass, 16 fractional bits.
-    int64_t every_mask = 0;   // `every` - 1, `every` a power of two.
   };
-  // Prefetches element begin + kk * share of each next row, once `every`.
+  // Prefetches element begin + kk * share of each next row.
   template <int MT>
   static void Prefetch(const NextInputs<MT>& next, int64_t kk) {
-    if (next.rows[0] == nullptr || (kk & next.every_mask) != 0) return;
+    if (next.rows[0] == nullptr) return;
     const int64_t e = next.begin + ((kk * next.share_q16) >> 16);
     for (int i = 0; i < MT; ++i) __builtin_prefetch(next.rows[i] + e, 0, 2);
   }
@@ -136,8 +133,6 @@ struct DotKernel : KernelTypes<V, TX, TW, TO> {
     }
     const int64_t passes = (n1 - n0 + NR - 1) / NR;
     next.share_q16 = (int64_t{1} << 16) / passes;
-    const uint64_t line_advance = kCacheLineBytes / sizeof(TX) * passes;
-    next.every_mask = (int64_t{1} << (63 - __builtin_clzll(line_advance))) - 1;
     for (int64_t n = n0; n < n1; n += NR) {
       next.begin = (n - n0) / NR * a.k / passes;
       const int nr = static_cast<int>(std::min<int64_t>(NR, n1 - n));
