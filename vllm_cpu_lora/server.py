@@ -131,8 +131,11 @@ class VllmServer:
         deadline = time.monotonic() + self._startup_timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
+                code = self._proc.returncode
+                # The processes it started may still be exiting.
+                self.stop()
                 raise ServerError(
-                    f"vllm serve exited with {self._proc.returncode} while "
+                    f"vllm serve exited with {code} while "
                     f"starting; its log ends with:\n{self.log_tail()}"
                 )
             try:
