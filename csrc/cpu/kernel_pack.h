@@ -63,6 +63,11 @@ struct PackKernel : KernelTypes<V, TX, TW, TO> {
     }
   }
 
+  // Whether RankOneTile takes bf16 weights and output as even and odd halves.
+  static constexpr bool kSplitStores = V::kSplitBf16 &&
+                                       std::is_same_v<TW, c10::BFloat16> &&
+                                       std::is_same_v<TO, c10::BFloat16>;
+
   // Rank 1 in contiguous rows (vLLM's smallest max_lora_rank): an output is
   // one input times one weight, so tokens tok[0..MT) read the weights of
   // columns [n0, n1) in place, a vector at a time, with nothing packed
@@ -79,6 +84,28 @@ struct PackKernel : KernelTypes<V, TX, TW, TO> {
       o[i] = out + tok[i] * a.out_row_stride;
     }
     int64_t n = n0;
+    if constexpr (kSplitStores) {
+      // bf16 weights and output as even and odd halves (LoadSplit,
+      // StoreSplit): a shift or a mask per vector instead of widening and
+      // narrowing across lanes, which bound this loop; the scale goes into
+      // the inputs and the add into an FMA (#rank-one-split).
+      F xs[MT];
+      for (int i = 0; i < MT; ++i) xs[i] = V::Mul(xb[i], V::Set1(a.scale));
+      for (; n + 2 * kL <= n1; n += 2 * kL) {
+        const typename V::Split wv = V::LoadSplit(w + n);
+        for (int i = 0; i < MT; ++i) {
+          typename V::Split r;
+          if (a.add) {
+            const typename V::Split old = V::LoadSplit(o[i] + n);
+            r = {V::Fma(xs[i], wv.even, old.even),
+                 V::Fma(xs[i], wv.odd, old.odd)};
+          } else {
+            r = {V::Mul(xs[i], wv.even), V::Mul(xs[i], wv.odd)};
+          }
+          V::StoreSplit(o[i] + n, r);
+        }
+      }
+    }
     for (; n + kNT <= n1; n += kNT) {
       F wv[kNV];
       for (int v = 0; v < kNV; ++v) wv[v] = V::Load(w + n + v * kL);

@@ -190,16 +190,19 @@ struct VecAvx2 {
 
   // Same rounding as c10::BFloat16(float): nearest even, NaN kept quiet.
   static __m128i Narrow(F v, c10::BFloat16) {
+    const __m256i r = _mm256_srli_epi32(RoundToBf16High(v), 16);
+    return _mm_packus_epi32(_mm256_castsi256_si128(r),
+                            _mm256_extracti128_si256(r, 1));
+  }
+  // The rounding: each lane's bf16 in its upper half.
+  static __m256i RoundToBf16High(F v) {
     const __m256i u = _mm256_castps_si256(v);
     const __m256i lsb =
         _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_srli_epi32(
-        _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))),
-        16);
+    const __m256i r =
+        _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
     const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
-    return _mm_packus_epi32(_mm256_castsi256_si128(r),
-                            _mm256_extracti128_si256(r, 1));
+    return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc00000), nan);
   }
   static __m128i Narrow(F v, c10::Half) {
     return _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -212,6 +215,16 @@ struct VecAvx2 {
     } else {
       _mm_storeu_si128(reinterpret_cast<__m128i*>(p), Narrow(v, T{}));
     }
+  }
+
+  // Stores 16 bf16 at p, element 2i from v.even[i] and 2i + 1 from v.odd[i],
+  // rounded as Store rounds: the inverse of LoadSplit, with no packing
+  // across lanes (#rank-one-split).
+  static void StoreSplit(c10::BFloat16* p, const Split& v) {
+    const __m256i r = _mm256_blend_epi16(
+        RoundToBf16High(v.odd), _mm256_srli_epi32(RoundToBf16High(v.even), 16),
+        0x55);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), r);
   }
 
   // Transposes the 8 x 8 matrix whose rows are r[0..8).

@@ -209,15 +209,37 @@ struct VecAvx512 {
   // (below 1.2e-38) to zero.
   static __m256i ToBf16(F v) {
     if constexpr (kBf16) return (__m256i)_mm512_cvtneps_pbh(v);
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(RoundToBf16High(v), 16));
+  }
+  // The rounding without AVX512-BF16: each lane's bf16 in its upper half.
+  static __m512i RoundToBf16High(F v) {
     const __m512i u = _mm512_castps_si512(v);
     const __m512i lsb =
         _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r =
+    const __m512i r =
         _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-    r = _mm512_srli_epi32(r, 16);
     const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    r = _mm512_mask_blend_epi32(nan, r, _mm512_set1_epi32(0x7fc0));
-    return _mm512_cvtepi32_epi16(r);
+    return _mm512_mask_blend_epi32(nan, r, _mm512_set1_epi32(0x7fc00000));
+  }
+
+  // Stores 32 bf16 at p, element 2i from v.even[i] and 2i + 1 from v.odd[i],
+  // rounded as Store rounds: the inverse of LoadSplit, with no widening or
+  // narrowing across lanes (#rank-one-split).
+  static void StoreSplit(c10::BFloat16* p, const Split& v) {
+    __m512i r;
+    if constexpr (kBf16) {
+      // Elements 0-15 the even halves, 16-31 the odd ones, then interleaved.
+      const __m512i halves = (__m512i)_mm512_cvtne2ps_pbh(v.odd, v.even);
+      const __m512i order = _mm512_set_epi16(
+          31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+          22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+      r = _mm512_permutexvar_epi16(order, halves);
+    } else {
+      r = _mm512_mask_blend_epi16(
+          0x55555555u, RoundToBf16High(v.odd),
+          _mm512_srli_epi32(RoundToBf16High(v.even), 16));
+    }
+    _mm512_storeu_si512(p, r);
   }
 
   template <class T>
