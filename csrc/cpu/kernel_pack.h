@@ -86,9 +86,10 @@ struct PackKernel : KernelTypes<V, TX, TW, TO> {
     int64_t n = n0;
     if constexpr (kSplitStores) {
       // bf16 weights and output as even and odd halves (LoadSplit,
-      // StoreSplit): a shift or a mask per vector instead of widening and
-      // narrowing across lanes, which bound this loop; the scale goes into
-      // the inputs and the add into an FMA (#rank-one-split).
+      // StoreSplit): a shift or a mask per vector instead of widening 16 at
+      // a time, and one store step per 32 outputs instead of narrowing two
+      // vectors; the scale goes into the inputs and the add into an FMA
+      // (#rank-one-split).
       F xs[MT];
       for (int i = 0; i < MT; ++i) xs[i] = V::Mul(xb[i], V::Set1(a.scale));
       for (; n + 2 * kL <= n1; n += 2 * kL) {

@@ -223,8 +223,9 @@ struct VecAvx512 {
   }
 
   // Stores 32 bf16 at p, element 2i from v.even[i] and 2i + 1 from v.odd[i],
-  // rounded as Store rounds: the inverse of LoadSplit, with no widening or
-  // narrowing across lanes (#rank-one-split).
+  // rounded as Store rounds: the inverse of LoadSplit, one conversion and
+  // one permutation (AVX512-BF16) or a word blend for 32 outputs
+  // (#rank-one-split).
   static void StoreSplit(c10::BFloat16* p, const Split& v) {
     __m512i r;
     if constexpr (kBf16) {
