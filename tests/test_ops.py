@@ -548,7 +548,8 @@ def test_all_dtype_combinations(op, dtypes, isa):
 # (batch, hidden, rank, loras). Together they take every H in {1, 2, 15, 33,
 # 2049}, rank in {1, 3, 16, 64, 256}, L in {1, 4, 128} and batch in {0, 1, 5,
 # 37}, both blockings, the token tails of every tile height and the threaded
-# path (>= 2^17 multiply-adds).
+# path (>= 2^17 multiply-adds). Rank 1 with H = 8 * 256 + 225 takes the
+# one-row tiles through their unrolled steps, the steps left and a part.
 SHRINK_SHAPES = (
     (0, 33, 16, 4),
     (1, 1, 1, 1),
@@ -562,6 +563,7 @@ SHRINK_SHAPES = (
     (5, 2049, 3, 128),
     (37, 2, 256, 4),
     (1, 33, 64, 128),
+    (37, 2273, 1, 4),
 )
 
 # (batch, rank, weight rows, output width, loras), output width in {1, 17,

@@ -51,69 +51,93 @@ struct DotKernel : KernelTypes<V, TX, TW, TO> {
     for (int i = 0; i < MT; ++i) __builtin_prefetch(next.rows[i] + e, 0, 2);
   }
 
+  // Independent accumulator chains a tile keeps in flight: two FMA pipes of
+  // 4-cycle latency need 8. A tile of fewer outputs (rank 1) sums each one
+  // into several accumulators, along k in turn.
+  static constexpr int kMinChains = 8;
+
   // res[i][j] = sum_k xr[i][k] * wr[j][k].
   template <int MT, int NR>
   static void DotTile(const TX* const* xr, const TW* const* wr, int64_t k,
                       const NextInputs<MT>& next, float (&res)[MT][NR]) {
-    F acc[MT][NR];
-    for (int i = 0; i < MT; ++i)
-      for (int j = 0; j < NR; ++j) acc[i][j] = V::Zero();
+    constexpr int kU = std::max(1, kMinChains / (MT * NR));
+    F acc[kU][MT][NR];
+    for (auto& set : acc)
+      for (auto& row : set)
+        for (F& v : row) v = V::Zero();
     int64_t kk = 0;
-    if constexpr (kPairs) {
-      constexpr int kS = V::kPairLanes;
-      for (; kk + kS <= k; kk += kS) {
-        Prefetch(next, kk);
-        typename V::BH xv[MT];
-        for (int i = 0; i < MT; ++i) xv[i] = V::LoadPairs(xr[i] + kk);
-        for (int j = 0; j < NR; ++j) {
-          const typename V::BH wv = V::LoadPairs(wr[j] + kk);
-          for (int i = 0; i < MT; ++i) acc[i][j] = V::Dot(acc[i][j], xv[i], wv);
+    // step(acc[u], kk) over whole steps of `len` elements, kU steps an
+    // iteration; the steps left go to acc[0].
+    const auto sweep = [&](int len, const auto& step) {
+      for (; kk + kU * len <= k; kk += kU * len) {
+        for (int u = 0; u < kU; ++u) {
+          Prefetch(next, kk + u * len);
+          step(acc[u], kk + u * len);
         }
       }
+      if constexpr (kU > 1) {
+        for (; kk + len <= k; kk += len) {
+          Prefetch(next, kk);
+          step(acc[0], kk);
+        }
+      }
+    };
+    if constexpr (kPairs) {
+      sweep(V::kPairLanes, [&](F(&ac)[MT][NR], int64_t at) {
+        typename V::BH xv[MT];
+        for (int i = 0; i < MT; ++i) xv[i] = V::LoadPairs(xr[i] + at);
+        for (int j = 0; j < NR; ++j) {
+          const typename V::BH wv = V::LoadPairs(wr[j] + at);
+          for (int i = 0; i < MT; ++i) ac[i][j] = V::Dot(ac[i][j], xv[i], wv);
+        }
+      });
       if (kk < k) {
         const int n = static_cast<int>(k - kk);
         typename V::BH xv[MT];
         for (int i = 0; i < MT; ++i) xv[i] = V::LoadPairsPartial(xr[i] + kk, n);
         for (int j = 0; j < NR; ++j) {
           const typename V::BH wv = V::LoadPairsPartial(wr[j] + kk, n);
-          for (int i = 0; i < MT; ++i) acc[i][j] = V::Dot(acc[i][j], xv[i], wv);
+          for (int i = 0; i < MT; ++i)
+            acc[0][i][j] = V::Dot(acc[0][i][j], xv[i], wv);
         }
       }
     } else {
       if constexpr (kSplit) {
-        constexpr int kS = Base::kSplitElems;
-        for (; kk + kS <= k; kk += kS) {
-          Prefetch(next, kk);
+        sweep(Base::kSplitElems, [&](F(&ac)[MT][NR], int64_t at) {
           typename V::Split xv[MT];
-          for (int i = 0; i < MT; ++i) xv[i] = V::LoadSplit(xr[i] + kk);
+          for (int i = 0; i < MT; ++i) xv[i] = V::LoadSplit(xr[i] + at);
           for (int j = 0; j < NR; ++j) {
-            const typename V::Split wv = V::LoadSplit(wr[j] + kk);
+            const typename V::Split wv = V::LoadSplit(wr[j] + at);
             for (int i = 0; i < MT; ++i)
-              acc[i][j] = V::FmaSplit(xv[i], wv, acc[i][j]);
+              ac[i][j] = V::FmaSplit(xv[i], wv, ac[i][j]);
           }
-        }
+        });
       }
-      for (; kk + kL <= k; kk += kL) {
-        Prefetch(next, kk);
+      sweep(kL, [&](F(&ac)[MT][NR], int64_t at) {
         F xv[MT];
-        for (int i = 0; i < MT; ++i) xv[i] = V::Load(xr[i] + kk);
+        for (int i = 0; i < MT; ++i) xv[i] = V::Load(xr[i] + at);
         for (int j = 0; j < NR; ++j) {
-          const F wv = V::Load(wr[j] + kk);
-          for (int i = 0; i < MT; ++i) acc[i][j] = V::Fma(xv[i], wv, acc[i][j]);
+          const F wv = V::Load(wr[j] + at);
+          for (int i = 0; i < MT; ++i) ac[i][j] = V::Fma(xv[i], wv, ac[i][j]);
         }
-      }
+      });
       if (kk < k) {
         const int n = static_cast<int>(k - kk);
         F xv[MT];
         for (int i = 0; i < MT; ++i) xv[i] = V::LoadPartial(xr[i] + kk, n);
         for (int j = 0; j < NR; ++j) {
           const F wv = V::LoadPartial(wr[j] + kk, n);
-          for (int i = 0; i < MT; ++i) acc[i][j] = V::Fma(xv[i], wv, acc[i][j]);
+          for (int i = 0; i < MT; ++i)
+            acc[0][i][j] = V::Fma(xv[i], wv, acc[0][i][j]);
         }
       }
     }
+    for (int u = 1; u < kU; ++u)
+      for (int i = 0; i < MT; ++i)
+        for (int j = 0; j < NR; ++j)
+          acc[0][i][j] = V::Add(acc[0][i][j], acc[u][i][j]);
     for (int i = 0; i < MT; ++i)
-      for (int j = 0; j < NR; ++j) res[i][j] = V::Reduce(acc[i][j]);
+      for (int j = 0; j < NR; ++j) res[i][j] = V::Reduce(acc[0][i][j]);
   }
 
   // Tokens tok[0..MT) against weight rows [n0, n1) of one adapter; the
@@ -184,22 +208,36 @@ struct DotKernel : KernelTypes<V, TX, TW, TO> {
       const Group& g = a.groups[item.group];
       const int64_t* tok = a.tokens + g.token_begin;
       const TW* wa = w + g.adapter * a.w_adapter_stride;
-      int64_t m = item.m0;
-      for (; m + kTM <= item.m1; m += kTM) {
-        const bool next = m + 2 * kTM <= item.m1;
-        DotBlock<kTM, kTN>(a, wa, tok + m, item.n0, item.n1,
-                           next ? tok + m + kTM : nullptr);
+      // One weight row (rank 1, vLLM's only rank below a tile's rows) takes
+      // one-row tiles, which the others would fill with copies of it. Two
+      // tokens share each weight load (adapters with 2-3 tokens are common
+      // in decode batches), over as many accumulators as the tile has.
+      if (item.n1 - item.n0 == 1) {
+        RunTiles<1, 1, 1>(a, wa, tok, item);
+      } else {
+        RunTiles<kTN, kTM / 2 * kTN, 2 * kTN>(a, wa, tok, item);
       }
-      // Two tokens share each weight load (adapters with 2-3 tokens are
-      // common in decode batches), over as many accumulators as the tile
-      // has in whole tiles of kTN rows.
-      if constexpr (kTM > 2) {
-        for (; m + 2 <= item.m1; m += 2)
-          DotBlock<2, kTM / 2 * kTN>(a, wa, tok + m, item.n0, item.n1);
-      }
-      for (; m < item.m1; ++m)
-        DotBlock<1, 2 * kTN>(a, wa, tok + m, item.n0, item.n1);
     }
+  }
+
+  // The item's tokens in tiles of kTM, 2 and 1 tokens by NR, NR2 and NR1
+  // weight rows. Out of line: inlined together, the one-row tiles cost the
+  // others registers (AVX2's 1 x 8 tile spilled its input).
+  template <int NR, int NR2, int NR1>
+  [[gnu::noinline]] static void RunTiles(const LoraArgs& a, const TW* wa,
+                                         const int64_t* tok,
+                                         const WorkItem& item) {
+    int64_t m = item.m0;
+    for (; m + kTM <= item.m1; m += kTM) {
+      const bool next = m + 2 * kTM <= item.m1;
+      DotBlock<kTM, NR>(a, wa, tok + m, item.n0, item.n1,
+                        next ? tok + m + kTM : nullptr);
+    }
+    if constexpr (kTM > 2) {
+      for (; m + 2 <= item.m1; m += 2)
+        DotBlock<2, NR2>(a, wa, tok + m, item.n0, item.n1);
+    }
+    for (; m < item.m1; ++m) DotBlock<1, NR1>(a, wa, tok + m, item.n0, item.n1);
   }
 };
 
