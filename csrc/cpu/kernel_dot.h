@@ -53,7 +53,7 @@ struct DotKernel : KernelTypes<V, TX, TW, TO> {
 
   // Independent accumulator chains a tile keeps in flight: two FMA pipes of
   // 4-cycle latency need 8. A tile of fewer outputs (rank 1) sums each one
-  // into several accumulators, along k in turn.
+  // into several accumulators, along k in turn (#rank-one-dots).
   static constexpr int kMinChains = 8;
 
   // res[i][j] = sum_k xr[i][k] * wr[j][k].
