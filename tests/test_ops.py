@@ -567,8 +567,10 @@ SHRINK_SHAPES = (
 )
 
 # (batch, rank, weight rows, output width, loras), output width in {1, 17,
-# 100, 4099}; weight rows both above (clipped) and below the output width;
-# one-token groups with rank >= 32 take the rows tiles (odd rank 33 too).
+# 100, 1000, 4099}; weight rows both above (clipped) and below the output
+# width; one-token groups with rank >= 32 take the rows tiles (odd rank 33
+# too); groups of ranks 2, 8 and 16 pack rows of 1 to 8 whole dwords
+# (AVX-512's SplitRows).
 EXPAND_SHAPES = (
     (0, 16, 100, 100, 4),
     (1, 1, 1, 1, 1),
@@ -583,6 +585,8 @@ EXPAND_SHAPES = (
     (37, 3, 17, 100, 128),
     (5, 64, 4099, 4099, 4),
     (3, 33, 100, 100, 4),
+    (37, 8, 4099, 4099, 4),
+    (21, 2, 1000, 1000, 2),
 )
 
 

@@ -318,13 +318,40 @@ struct VecAvx512 {
   // elements): masked row loads, then an in-register 16 x 8 dword transpose
   // (24 shuffles) gives, per dword column, one vector across the 16 rows.
   // Gathers would be simpler but are several times slower on CPUs with the
-  // Gather Data Sampling mitigation.
+  // Gather Data Sampling mitigation. Blocks of 16 rows of 1, 2, 4 or 8 whole
+  // dwords back to back (vLLM's expand weights up to rank 16 in bf16 or fp16,
+  // 8 in fp32) take SplitRows instead (#pack-split-rows).
   template <class TW, bool kPairs>
   static int PackColumns(const TW* w, int64_t row_stride, int64_t k, int nc,
                          int nt, void* out) {
     constexpr int kPerDword = sizeof(TW) == 2 ? 2 : 1;
     const int64_t dwords = (k + kPerDword - 1) / kPerDword;
-    for (int c0 = 0; c0 < nc; c0 += kLanes) {
+    // Packed row d, columns [c0, c0 + 16): col.
+    auto store = [&](int64_t d, int c0, __m512i col) {
+      if constexpr (kPairs) {
+        _mm512_storeu_si512(static_cast<uint32_t*>(out) + d * nt + c0, col);
+      } else if constexpr (kPerDword == 1) {
+        _mm512_storeu_ps(static_cast<float*>(out) + d * nt + c0,
+                         _mm512_castsi512_ps(col));
+      } else {
+        float* P = static_cast<float*>(out) + c0;
+        _mm512_storeu_ps(P + 2 * d * nt, Low(col, TW{}));
+        if (2 * d + 1 < k)
+          _mm512_storeu_ps(P + (2 * d + 1) * nt, High(col, TW{}));
+      }
+    };
+    int c0 = 0;
+    if (row_stride == k && k % kPerDword == 0 && dwords <= 8 &&
+        (dwords & (dwords - 1)) == 0) {
+      WithRowDwords(static_cast<int>(dwords), [&](auto row_dwords) {
+        constexpr int kD = decltype(row_dwords)::value;
+        for (; c0 + kLanes <= nc; c0 += kLanes) {
+          SplitRows<kD>(w + c0 * row_stride,
+                        [&](int d, __m512i col) { store(d, c0, col); });
+        }
+      });
+    }
+    for (; c0 < nc; c0 += kLanes) {
       for (int64_t d0 = 0; d0 < dwords; d0 += 8) {
         const int64_t e0 = d0 * kPerDword;  // First element of the block.
         const int count =
@@ -368,22 +395,68 @@ struct VecAvx512 {
           const __m512i col = q < 4
                                   ? _mm512_shuffle_i32x4(u[q], u[q + 4], 0x88)
                                   : _mm512_shuffle_i32x4(u[q - 4], u[q], 0xdd);
-          const int64_t d = d0 + q;
-          if constexpr (kPairs) {
-            _mm512_storeu_si512(static_cast<uint32_t*>(out) + d * nt + c0, col);
-          } else if constexpr (kPerDword == 1) {
-            _mm512_storeu_ps(static_cast<float*>(out) + d * nt + c0,
-                             _mm512_castsi512_ps(col));
-          } else {
-            float* P = static_cast<float*>(out) + c0;
-            _mm512_storeu_ps(P + 2 * d * nt, Low(col, TW{}));
-            if (2 * d + 1 < k)
-              _mm512_storeu_ps(P + (2 * d + 1) * nt, High(col, TW{}));
-          }
+          store(d0 + q, c0, col);
         }
       }
     }
     return (nc + kLanes - 1) / kLanes * kLanes;
+  }
+
+  // fn(std::integral_constant<int, d>{}) for d = dwords, a power of two up
+  // to 8.
+  template <class Fn>
+  static void WithRowDwords(int dwords, Fn&& fn) {
+    switch (dwords) {
+      case 1:
+        return fn(std::integral_constant<int, 1>{});
+      case 2:
+        return fn(std::integral_constant<int, 2>{});
+      case 4:
+        return fn(std::integral_constant<int, 4>{});
+      default:
+        return fn(std::integral_constant<int, 8>{});
+    }
+  }
+
+  // The 16 rows of D dwords back to back at p, D a power of two up to 8,
+  // split into D vectors, vector d holding dword d of every row: store(d,
+  // vector). Each round splits every run of vectors, a stream of rows of
+  // `kRun` dwords, into its even dwords then its odd ones: D whole-vector
+  // loads and D log2(D) two-source permutes in all, where the transpose
+  // takes 16 masked loads, 8 inserts and up to 24 shuffles.
+  template <int D, class Store>
+  static void SplitRows(const void* p, Store&& store) {
+    __m512i v[D];
+    for (int i = 0; i < D; ++i) {
+      v[i] = _mm512_loadu_si512(static_cast<const __m512i*>(p) + i);
+    }
+    SplitRounds<D, D>(v);
+    // The rounds leave dword column d in vector BitReverse(d).
+    for (int i = 0; i < D; ++i) {
+      int d = 0;
+      for (int bit = 1; bit < D; bit *= 2) {
+        if (i & bit) d |= D / 2 / bit;
+      }
+      store(d, v[i]);
+    }
+  }
+  template <int D, int kRun>
+  static void SplitRounds(__m512i (&v)[D]) {
+    if constexpr (kRun > 1) {
+      const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14,
+                                            12, 10, 8, 6, 4, 2, 0);
+      const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+      __m512i next[D];
+      for (int g = 0; g < D; g += kRun) {
+        for (int j = 0; j < kRun / 2; ++j) {
+          const __m512i a = v[g + 2 * j], b = v[g + 2 * j + 1];
+          next[g + j] = _mm512_permutex2var_epi32(a, even, b);
+          next[g + kRun / 2 + j] = _mm512_permutex2var_epi32(a, odd, b);
+        }
+      }
+      for (int i = 0; i < D; ++i) v[i] = next[i];
+      SplitRounds<D, kRun / 2>(v);
+    }
   }
 
   // The first / second 16-bit element of each dword, widened to fp32.
