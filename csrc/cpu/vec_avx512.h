@@ -341,7 +341,7 @@ struct VecAvx512 {
       }
     };
     int c0 = 0;
-    if (row_stride == k && k % kPerDword == 0 && dwords <= 8 &&
+    if (row_stride == k && k % kPerDword == 0 && dwords > 0 && dwords <= 8 &&
         (dwords & (dwords - 1)) == 0) {
       WithRowDwords(static_cast<int>(dwords), [&](auto row_dwords) {
         constexpr int kD = decltype(row_dwords)::value;
@@ -431,7 +431,8 @@ struct VecAvx512 {
       v[i] = _mm512_loadu_si512(static_cast<const __m512i*>(p) + i);
     }
     SplitRounds<D, D>(v);
-    // The rounds leave dword column d in vector BitReverse(d).
+    // The rounds leave dword column d in the vector whose index is d's
+    // log2(D) bits reversed.
     for (int i = 0; i < D; ++i) {
       int d = 0;
       for (int bit = 1; bit < D; bit *= 2) {
